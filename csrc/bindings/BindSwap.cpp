@@ -1,0 +1,191 @@
+#include "Bindings.h"
+
+#include "hyper_parallel/activation/CheckpointPolicy.h"
+#include "hyper_parallel/activation/Eligibility.h"
+#include "hyper_parallel/activation/SwapEngine.h"
+#include "hyper_parallel/common/Macros.h"
+
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace py = pybind11;
+
+namespace hyper_parallel::bindings {
+
+using namespace activation;
+
+namespace {
+
+SwapEngine& engine() { return SwapEngine::global(); }
+
+// Converts what a policy function returned into a CheckpointPolicy: ours, torch's
+// CheckpointPolicy (by member name), or nullopt.
+std::optional<CheckpointPolicy> to_policy(const py::handle& obj) {
+  if (py::isinstance<CheckpointPolicy>(obj)) return obj.cast<CheckpointPolicy>();
+  if (py::hasattr(obj, "name") && py::hasattr(obj, "value") && !PyBool_Check(obj.ptr())) {
+    py::object name = obj.attr("name");
+    if (py::isinstance<py::str>(name)) return policy_from_string(name.cast<std::string>());
+  }
+  return std::nullopt;
+}
+
+// The saved-tensor pack hook of a region. Called by autograd (with the GIL) once per
+// saved tensor; returns a SavedHandle for a swapped tensor or the tensor itself.
+class PackHook {
+ public:
+  PackHook(PackMode mode, py::object policy_fn) : mode_(mode), policy_fn_(std::move(policy_fn)) {}
+
+  py::object operator()(const py::object& obj) const {
+    if (!THPVariable_Check(obj.ptr())) return obj;
+    const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+    auto group = engine().current_group();
+    if (!group) return obj;
+    if (mode_ == PackMode::kSwapAll && !policy_fn_.is_none()) {
+      if (check_eligible(t, engine().cpu_swap()) != Ineligible::kNone) return obj;
+      py::object result = policy_fn_(obj);
+      auto policy = to_policy(result);
+      HP_CHECK_VALUE(policy && (*policy == CheckpointPolicy::MUST_SAVE ||
+                                *policy == CheckpointPolicy::MUST_SWAP),
+                     "the swap policy_fn returned ", std::string(py::repr(result)),
+                     " for a saved tensor of shape ", t.sizes(), " and dtype ", t.scalar_type(),
+                     "; a swap policy must return CheckpointPolicy.MUST_SAVE (keep on device) "
+                     "or CheckpointPolicy.MUST_SWAP (offload).");
+      if (*policy == CheckpointPolicy::MUST_SAVE) return obj;
+    }
+    auto handle = engine().pack(group, t, mode_);
+    if (!handle) return obj;
+    return py::cast(std::move(handle));
+  }
+
+ private:
+  PackMode mode_;
+  py::object policy_fn_;
+};
+
+py::object unpack_hook(const py::object& obj) {
+  if (py::isinstance<SavedHandle>(obj)) {
+    auto handle = obj.cast<std::shared_ptr<SavedHandle>>();
+    at::Tensor t;
+    {
+      py::gil_scoped_release no_gil;  // may wait for a copy
+      t = engine().unpack(*handle);
+    }
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t)));
+  }
+  return obj;
+}
+
+std::shared_ptr<SwapGroup> group_by_name(const std::string& name) {
+  auto group = engine().find_group(name);
+  HP_CHECK_VALUE(group, "no live swap group named '", name,
+                 "'. Create it with SwapManager().group_context(name) (or check "
+                 "get_current_group_name()) before launching its offload or load.");
+  return group;
+}
+
+}  // namespace
+
+void bind_swap(py::module_& m) {
+  py::enum_<PackMode>(m, "PackMode")
+      .value("SWAP_ALL", PackMode::kSwapAll)
+      .value("REGISTERED_ONLY", PackMode::kRegisteredOnly);
+
+  py::class_<SavedHandle, std::shared_ptr<SavedHandle>>(m, "SavedHandle",
+      "Opaque handle of a swapped saved tensor (returned by the pack hook).")
+      .def_property_readonly("nbytes", [](const SavedHandle& h) { return h.record()->nbytes(); })
+      .def_property_readonly("residency",
+                             [](const SavedHandle& h) { return to_string(h.record()->state()); });
+
+  py::class_<SwapGroup, std::shared_ptr<SwapGroup>>(m, "SwapGroup",
+      "One invocation of a layer (or one manual group): the storages it swaps.")
+      .def_property_readonly("id", &SwapGroup::id)
+      .def_property_readonly("layer", &SwapGroup::layer)
+      .def_property("name", &SwapGroup::name, &SwapGroup::set_name)
+      .def_property_readonly("num_records", [](const SwapGroup& g) { return g.records().size(); })
+      .def_property_readonly("record_bytes", [](const SwapGroup& g) {
+        size_t n = 0;
+        for (const auto& r : g.records()) n += r->nbytes();
+        return n;
+      })
+      .def("exclude", [](SwapGroup& g, const std::vector<at::Tensor>& tensors) {
+        for (const auto& t : tensors) {
+          if (t.defined() && t.has_storage()) g.excluded.insert(t.storage().unsafeGetStorageImpl());
+        }
+      }, py::arg("tensors"), "Never swap the storages of these tensors in this invocation.");
+
+  py::class_<PackHook>(m, "PackHook")
+      .def(py::init<PackMode, py::object>(), py::arg("mode"), py::arg("policy_fn") = py::none())
+      .def("__call__", &PackHook::operator(), py::arg("tensor"));
+  m.def("unpack_hook", &unpack_hook, py::arg("packed"));
+
+  // Engine entry points (the process-wide SwapEngine).
+  m.def("set_cpu_swap", [](bool on) { engine().set_cpu_swap(on); }, py::arg("enabled"));
+  m.def("cpu_swap", [] { return engine().cpu_swap(); });
+  m.def("set_cpu_delay_ns_per_byte", [](double d) { engine().set_cpu_delay_ns_per_byte(d); });
+  m.def("set_prefetch_depth", [](int d) { engine().set_prefetch_depth(d); }, py::arg("depth"));
+  m.def("prefetch_depth", [] { return engine().prefetch_depth(); });
+  m.def("set_fusion_threshold", [](int64_t b) { engine().set_fusion_threshold(b); });
+  m.def("fusion_threshold", [] { return engine().fusion_threshold(); });
+  m.def("new_layer", [] { return engine().new_layer(); });
+  m.def("link_layers", [](int64_t a, int64_t b) { engine().link_layers(a, b); });
+  m.def("remove_layer", [](int64_t l) { engine().remove_layer(l); });
+  m.def("layer_scheduled", [](int64_t l) { return engine().layer_scheduled(l); });
+  m.def("begin_forward", [](int64_t layer, const std::string& name, bool manual, bool group_swap) {
+    return engine().begin_forward(layer, name, manual, group_swap);
+  }, py::arg("layer"), py::arg("name"), py::arg("manual") = false, py::arg("group_swap") = false);
+  m.def("end_forward", [](const std::shared_ptr<SwapGroup>& g) { return engine().end_forward(g); });
+  m.def("abort_forward", [](const std::shared_ptr<SwapGroup>& g) { engine().abort_forward(g); });
+  m.def("backward_begin", [](const std::shared_ptr<SwapGroup>& g) { engine().backward_begin(g); },
+        py::call_guard<py::gil_scoped_release>());
+  m.def("current_group", [] { return engine().current_group(); });
+  m.def("register_tensor", [](const at::Tensor& t) {
+    return engine().register_tensor(engine().current_group(), t);
+  }, py::arg("tensor"));
+  m.def("launch_offload", [](const std::string& n) { engine().launch_offload(group_by_name(n)); });
+  m.def("wait_offload", [](const std::string& n) {
+    auto g = group_by_name(n);
+    py::gil_scoped_release no_gil;
+    engine().wait_offload(g);
+  });
+  m.def("launch_load", [](const std::string& n) { engine().launch_load(group_by_name(n)); });
+  m.def("wait_load", [](const std::string& n) {
+    auto g = group_by_name(n);
+    py::gil_scoped_release no_gil;
+    engine().wait_load(g);
+  });
+  m.def("synchronize", [] { engine().synchronize(); }, py::call_guard<py::gil_scoped_release>());
+  m.def("reset", [](bool schedule) { engine().reset(schedule); }, py::arg("schedule") = true);
+  m.def("residency", [](const at::Tensor& t) -> py::object {
+    const char* r = engine().residency_of(t);
+    if (!r) return py::none();
+    return py::str(r);
+  }, py::arg("tensor"), "'device', 'offloading', 'host', 'reloading', or None if unmanaged.");
+  m.def("ineligible_reason", [](const at::Tensor& t) -> py::object {
+    auto r = check_eligible(t, engine().cpu_swap());
+    if (r == Ineligible::kNone) return py::none();
+    return py::str(to_string(r));
+  }, py::arg("tensor"));
+  m.def("stats", [] {
+    SwapStats s = engine().stats();
+    py::dict d;
+    d["offload_bytes"] = s.offload_bytes;
+    d["offload_count"] = s.offload_count;
+    d["reload_bytes"] = s.reload_bytes;
+    d["reload_count"] = s.reload_count;
+    d["resident_bytes"] = s.resident_bytes;
+    d["peak_resident_bytes"] = s.peak_resident_bytes;
+    d["pinned_bytes_in_use"] = s.pinned_bytes_in_use;
+    d["pinned_bytes_cached"] = s.pinned_bytes_cached;
+    d["host_bytes_pending"] = s.host_bytes_pending;
+    d["host_allocations"] = s.host_allocations;
+    d["host_reuses"] = s.host_reuses;
+    d["fused_copies"] = s.fused_copies;
+    d["transfers"] = s.transfers;
+    d["stall_seconds"] = s.stall_seconds;
+    d["on_demand_reloads"] = s.on_demand_reloads;
+    d["deferred_frees"] = s.deferred_frees;
+    d["live_records"] = s.live_records;
+    return d;
+  });
+}
+
+}  // namespace hyper_parallel::bindings

@@ -1,0 +1,55 @@
+#include "hyper_parallel/activation/Eligibility.h"
+
+#include "hyper_parallel/activation/AcceleratorCopyEngine.h"
+
+#include <c10/core/impl/COW.h>
+
+namespace hyper_parallel::activation {
+
+const char* to_string(Ineligible reason) {
+  switch (reason) {
+    case Ineligible::kNone: return "eligible";
+    case Ineligible::kUndefined: return "undefined tensor";
+    case Ineligible::kNoStorage: return "tensor without storage";
+    case Ineligible::kMetaOrFake: return "meta or fake tensor";
+    case Ineligible::kSubclassOrFunctional: return "tensor subclass or functional tensor";
+    case Ineligible::kHostTensor: return "host tensor (CPU swap disabled)";
+    case Ineligible::kUnsupportedDevice: return "device without a registered backend";
+    case Ineligible::kForeignStorage: return "non-resizable or foreign storage";
+    case Ineligible::kCopyOnWrite: return "copy-on-write storage";
+    case Ineligible::kEmpty: return "empty storage";
+    case Ineligible::kParameter: return "parameter or view of a parameter";
+  }
+  return "unknown";
+}
+
+Ineligible check_eligible(const at::Tensor& t, bool cpu_swap) {
+  if (!t.defined()) return Ineligible::kUndefined;
+  const auto keys = t.key_set();
+  if (keys.has(c10::DispatchKey::Python) || keys.has(c10::DispatchKey::Functionalize) ||
+      keys.has(c10::DispatchKey::PythonTLSSnapshot)) {
+    return Ineligible::kSubclassOrFunctional;
+  }
+  if (t.is_meta()) return Ineligible::kMetaOrFake;
+  if (t.layout() != c10::kStrided || !t.has_storage()) return Ineligible::kNoStorage;
+  const c10::Device device = t.device();
+  if (device.is_cpu()) {
+    if (!cpu_swap) return Ineligible::kHostTensor;
+  } else if (!is_accelerator(device)) {
+    return Ineligible::kUnsupportedDevice;
+  }
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  if (!storage->resizable() || storage->allocator() == nullptr || storage->received_cuda()) {
+    return Ineligible::kForeignStorage;
+  }
+  if (storage->data_ptr().get() == nullptr || storage->nbytes() == 0) return Ineligible::kEmpty;
+  if (c10::impl::cow::is_cow_data_ptr(storage->data_ptr())) return Ineligible::kCopyOnWrite;
+  if (t.requires_grad() && t.is_leaf()) return Ineligible::kParameter;
+  if (t.is_view()) {
+    const at::TensorBase& base = t._base();
+    if (base.defined() && base.requires_grad() && base.is_leaf()) return Ineligible::kParameter;
+  }
+  return Ineligible::kNone;
+}
+
+}  // namespace hyper_parallel::activation

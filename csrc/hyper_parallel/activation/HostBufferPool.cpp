@@ -1,0 +1,117 @@
+#include "hyper_parallel/activation/HostBufferPool.h"
+
+#include "hyper_parallel/common/Macros.h"
+
+#include <ATen/ops/empty.h>
+
+namespace hyper_parallel::activation {
+
+HostBlock::HostBlock(std::shared_ptr<HostBufferPool> pool, at::Tensor buffer, size_t size_class)
+    : pool_(std::move(pool)), buffer_(std::move(buffer)), size_class_(size_class) {}
+
+HostBlock::~HostBlock() { pool_->give_back(std::move(buffer_), size_class_, std::move(last_use_)); }
+
+std::shared_ptr<HostBufferPool> HostBufferPool::create(bool pinned, int64_t max_cached_bytes) {
+  return std::shared_ptr<HostBufferPool>(new HostBufferPool(pinned, max_cached_bytes));
+}
+
+size_t HostBufferPool::size_class(size_t nbytes) {
+  constexpr size_t kPage = 4096;
+  constexpr size_t kSmallLimit = size_t{1} << 20;
+  if (nbytes == 0) nbytes = 1;
+  if (nbytes <= kSmallLimit) return (nbytes + kPage - 1) / kPage * kPage;
+  // Four classes per power of two: step = 2^(floor(log2(n)) - 2).
+  size_t high = size_t{1} << (63 - __builtin_clzll(static_cast<unsigned long long>(nbytes)));
+  size_t step = high / 4;
+  return (nbytes + step - 1) / step * step;
+}
+
+std::unique_ptr<HostBlock> HostBufferPool::acquire(size_t nbytes) {
+  const size_t cls = size_class(nbytes);
+  at::Tensor buffer;
+  bool pinned;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    promote_completed_locked();
+    auto it = free_.find(cls);
+    if (it != free_.end()) {
+      buffer = std::move(it->second);
+      free_.erase(it);
+      stats_.bytes_cached -= static_cast<int64_t>(cls);
+      stats_.reuses += 1;
+    }
+    pinned = pinned_;
+  }
+  if (!buffer.defined()) {
+    buffer = at::empty({static_cast<int64_t>(cls)},
+                       at::TensorOptions().dtype(at::kByte).device(at::kCPU).pinned_memory(pinned));
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.allocations += 1;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.bytes_in_use += static_cast<int64_t>(cls);
+  }
+  return std::make_unique<HostBlock>(shared_from_this(), std::move(buffer), cls);
+}
+
+void HostBufferPool::give_back(at::Tensor buffer, size_t size_class, CopyEventPtr last_use) {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.bytes_in_use -= static_cast<int64_t>(size_class);
+  if (last_use && !last_use->query()) {
+    stats_.bytes_pending += static_cast<int64_t>(size_class);
+    pending_.push_back(Pending{std::move(buffer), size_class, std::move(last_use)});
+    return;
+  }
+  stats_.bytes_cached += static_cast<int64_t>(size_class);
+  free_.emplace(size_class, std::move(buffer));
+  trim_locked();
+}
+
+void HostBufferPool::promote_completed_locked() {
+  for (size_t i = 0; i < pending_.size();) {
+    if (pending_[i].last_use->query()) {
+      stats_.bytes_pending -= static_cast<int64_t>(pending_[i].size_class);
+      stats_.bytes_cached += static_cast<int64_t>(pending_[i].size_class);
+      free_.emplace(pending_[i].size_class, std::move(pending_[i].buffer));
+      pending_[i] = std::move(pending_.back());
+      pending_.pop_back();
+    } else {
+      ++i;
+    }
+  }
+  trim_locked();
+}
+
+void HostBufferPool::trim_locked() {
+  // Drop the largest free blocks first until the cache is under its bound.
+  while (stats_.bytes_cached > max_cached_bytes_ && !free_.empty()) {
+    auto it = std::prev(free_.end());
+    stats_.bytes_cached -= static_cast<int64_t>(it->first);
+    free_.erase(it);
+  }
+}
+
+HostBufferPoolStats HostBufferPool::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  promote_completed_locked();
+  return stats_;
+}
+
+void HostBufferPool::empty_cache() {
+  std::lock_guard<std::mutex> lock(mu_);
+  promote_completed_locked();
+  free_.clear();
+  stats_.bytes_cached = 0;
+}
+
+void HostBufferPool::set_pinned(bool pinned) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (pinned != pinned_) {
+    free_.clear();
+    stats_.bytes_cached = 0;
+    pinned_ = pinned;
+  }
+}
+
+}  // namespace hyper_parallel::activation

@@ -1,0 +1,103 @@
+#pragma once
+// HostBufferPool: bounded pool of host blocks that hold offloaded activations.
+//
+// Blocks are 1-D uint8 CPU tensors, page-locked when an accelerator is in use (pinned
+// memory is what lets D2H/H2D copies run asynchronously). Sizes are rounded up to a
+// size class: multiples of 4 KiB below 1 MiB, then four classes per power of two
+// (at most 25% internal waste; the scheme of jemalloc's size classes).
+//
+// A block given back is not reusable until the CopyEvent of the last copy that touched
+// it has completed (SPEC 4.8): it waits in a pending list, promoted to the free list when
+// its event queries complete. acquire() reuses a free block of the same class before it
+// allocates; in a steady training loop, every step finds its blocks in the free list, so
+// allocations() stops growing after warm-up. Cached (free) bytes above `max_cached_bytes`
+// are released to the system.
+//
+// Thread-safety: all methods are thread-safe (one internal mutex, never held while
+// calling out, except the allocator).
+
+#include "hyper_parallel/activation/CopyEngine.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace hyper_parallel::activation {
+
+struct HostBufferPoolStats {
+  int64_t bytes_in_use = 0;    // handed out and not given back
+  int64_t bytes_pending = 0;   // given back, waiting for their last copy to finish
+  int64_t bytes_cached = 0;    // free, ready for reuse
+  int64_t allocations = 0;     // blocks ever allocated from the system
+  int64_t reuses = 0;          // acquire() satisfied from the free list
+};
+
+class HostBufferPool;
+
+// A block lent by the pool; returned to it (pending on `last_use`) when destroyed.
+class HostBlock {
+ public:
+  HostBlock(std::shared_ptr<HostBufferPool> pool, at::Tensor buffer, size_t size_class);
+  ~HostBlock();
+  HostBlock(const HostBlock&) = delete;
+  HostBlock& operator=(const HostBlock&) = delete;
+
+  // 1-D uint8 CPU tensor of capacity() bytes.
+  const at::Tensor& buffer() const { return buffer_; }
+  size_t capacity() const { return size_class_; }
+  // Records the event of the latest copy that reads or writes this block.
+  void set_last_use(CopyEventPtr event) { last_use_ = std::move(event); }
+
+ private:
+  std::shared_ptr<HostBufferPool> pool_;
+  at::Tensor buffer_;
+  size_t size_class_;
+  CopyEventPtr last_use_;
+};
+
+class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
+ public:
+  // `pinned`: allocate page-locked memory (requires an accelerator backend in torch).
+  static std::shared_ptr<HostBufferPool> create(bool pinned,
+                                                int64_t max_cached_bytes = int64_t{8} << 30);
+
+  // Returns a block of at least `nbytes` (> 0) bytes. Throws c10::Error when the system
+  // allocation fails.
+  std::unique_ptr<HostBlock> acquire(size_t nbytes);
+
+  // Size class for a request of `nbytes`.
+  static size_t size_class(size_t nbytes);
+
+  HostBufferPoolStats stats();
+  // Drops every free block (pending ones stay until their copies end).
+  void empty_cache();
+  bool pinned() const { return pinned_; }
+  void set_pinned(bool pinned);
+
+ private:
+  friend class HostBlock;
+  HostBufferPool(bool pinned, int64_t max_cached_bytes)
+      : pinned_(pinned), max_cached_bytes_(max_cached_bytes) {}
+  void give_back(at::Tensor buffer, size_t size_class, CopyEventPtr last_use);
+  void promote_completed_locked();
+  void trim_locked();
+
+  struct Pending {
+    at::Tensor buffer;
+    size_t size_class;
+    CopyEventPtr last_use;
+  };
+  std::mutex mu_;
+  bool pinned_;
+  int64_t max_cached_bytes_;
+  std::multimap<size_t, at::Tensor> free_;
+  std::vector<Pending> pending_;
+  HostBufferPoolStats stats_;
+};
+
+}  // namespace hyper_parallel::activation

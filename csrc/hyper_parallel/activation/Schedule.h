@@ -1,0 +1,55 @@
+#pragma once
+// Schedule: the layer graph declared with set_forward_prefetch_layer(a, b) ("b runs
+// after a in forward") and the links between layer invocations (SPEC 3).
+//
+// Pure bookkeeping, no tensors: testable on its own.
+//  * A layer with a successor is released at the end of its forward (its activations may
+//    leave the device); a layer with a predecessor but no successor is the last layer and
+//    keeps its activations on device; a layer in no chain is "unscheduled".
+//  * Invocation j of layer k links to the latest invocation of k's predecessor that has
+//    not been linked yet, so micro-batches and repeated calls each get their own chain.
+//  * prefetch_targets(g, depth): the invocations whose reload starts when the backward
+//    of g begins: g itself (if a hole left it offloaded) and up to `depth` predecessors.
+//
+// Thread-safety: guarded by the SwapEngine lock.
+
+#include "hyper_parallel/activation/SwapGroup.h"
+
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+namespace hyper_parallel::activation {
+
+class Schedule {
+ public:
+  int64_t new_layer() { return next_layer_id_++; }
+  // Declares that `next` runs after `prev` in forward. Replaces earlier links of either.
+  void link(int64_t prev, int64_t next);
+  // Forgets `layer` and its links.
+  void remove_layer(int64_t layer);
+  bool has_successor(int64_t layer) const { return layer >= 0 && next_of_.count(layer) != 0; }
+  bool has_predecessor(int64_t layer) const { return layer >= 0 && prev_of_.count(layer) != 0; }
+  bool scheduled(int64_t layer) const { return has_successor(layer) || has_predecessor(layer); }
+  int64_t successor(int64_t layer) const;
+  int64_t predecessor(int64_t layer) const;
+
+  // Records a new invocation of group->layer() and links it to its predecessor's.
+  void on_begin(const std::shared_ptr<SwapGroup>& group);
+  // Unlinks an invocation whose forward raised.
+  void on_abort(const std::shared_ptr<SwapGroup>& group);
+  // Whether the invocation should release its records at the end of its forward.
+  bool releases_at_forward_end(const SwapGroup& group) const;
+  std::vector<std::shared_ptr<SwapGroup>> prefetch_targets(const std::shared_ptr<SwapGroup>& group,
+                                                            int depth) const;
+  void clear();
+
+ private:
+  int64_t next_layer_id_ = 0;
+  std::unordered_map<int64_t, int64_t> next_of_;
+  std::unordered_map<int64_t, int64_t> prev_of_;
+  std::unordered_map<int64_t, std::weak_ptr<SwapGroup>> latest_;
+};
+
+}  // namespace hyper_parallel::activation

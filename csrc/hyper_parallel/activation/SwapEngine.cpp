@@ -1,0 +1,570 @@
+#include "hyper_parallel/activation/SwapEngine.h"
+
+#include "hyper_parallel/activation/Eligibility.h"
+#include "hyper_parallel/common/Macros.h"
+
+#include <ATen/core/TensorBody.h>
+#include <c10/core/DeviceGuard.h>
+
+#include <algorithm>
+#include <map>
+
+namespace hyper_parallel::activation {
+
+namespace {
+
+// The groups whose forward is running on this thread, innermost last.
+thread_local std::vector<std::pair<const SwapEngine*, std::shared_ptr<SwapGroup>>> t_current;
+
+// 1-D uint8 tensor over all bytes of `storage`, built without dispatch (no version bump,
+// no autograd): the unit that copies move.
+at::Tensor byte_view(const c10::Storage& storage) {
+  const c10::Device device = storage.device();
+  auto key = c10::computeDispatchKey(at::kByte, c10::kStrided, device);
+  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), c10::DispatchKeySet(key),
+                                                    caffe2::TypeMeta::Make<uint8_t>());
+  t.unsafeGetTensorImpl()->set_sizes_contiguous({static_cast<int64_t>(storage.nbytes())});
+  return t;
+}
+
+// Releases the device memory of `storage` in place: the StorageImpl (and every tensor
+// and view on it) stays, with nbytes 0, until it is refilled (cpp_feasibility.md Q4).
+void free_in_place(const c10::Storage& storage, CopyEngine& engine) {
+  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  const c10::Device device = impl->device();
+  at::DataPtr old = impl->set_data_ptr(at::DataPtr(nullptr, device));
+  impl->set_nbytes(0);
+  engine.release_after(CopyDirection::kDeviceToHost, device, std::move(old));
+}
+
+// Re-allocates `nbytes` for `storage` in place, with the current (compute) stream of its
+// device current, so the caching allocator ties the block to the compute stream.
+void refill_in_place(const c10::Storage& storage, size_t nbytes, c10::Device device) {
+  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  c10::OptionalDeviceGuard guard;
+  if (!device.is_cpu()) guard.reset_device(device);
+  impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
+  impl->set_nbytes(nbytes);
+}
+
+}  // namespace
+
+SwapEngine::SwapEngine(SwapEngineOptions options)
+    : options_(options),
+      counters_(std::make_shared<SwapStatsCounters>()),
+      registry_(counters_) {}
+
+SwapEngine::~SwapEngine() {
+  if (thread_engine_) thread_engine_->drain();
+}
+
+SwapEngine& SwapEngine::global() {
+  static SwapEngine* engine = new SwapEngine();  // intentionally leaked: outlives all hooks
+  return *engine;
+}
+
+// ---------------------------------------------------------------- configuration
+
+void SwapEngine::set_cpu_swap(bool enabled) {
+  std::lock_guard<std::mutex> lock(mu_);
+  options_.cpu_swap = enabled;
+}
+bool SwapEngine::cpu_swap() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return options_.cpu_swap;
+}
+void SwapEngine::set_cpu_delay_ns_per_byte(double delay) {
+  HP_CHECK_VALUE(delay >= 0.0, "the CPU swap delay must be >= 0 ns per byte, got ", delay);
+  std::lock_guard<std::mutex> lock(mu_);
+  options_.cpu_delay_ns_per_byte = delay;
+  if (thread_engine_) thread_engine_->set_delay_ns_per_byte(delay);
+}
+void SwapEngine::set_prefetch_depth(int depth) {
+  HP_CHECK_VALUE(depth >= 0, "prefetch depth must be >= 0 (layers reloaded ahead), got ", depth);
+  std::lock_guard<std::mutex> lock(mu_);
+  options_.prefetch_depth = depth;
+}
+int SwapEngine::prefetch_depth() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return options_.prefetch_depth;
+}
+void SwapEngine::set_fusion_threshold(int64_t bytes) {
+  HP_CHECK_VALUE(bytes > 0, "the group_swap fusion threshold must be > 0 bytes, got ", bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  options_.fusion_threshold_bytes = static_cast<size_t>(bytes);
+}
+int64_t SwapEngine::fusion_threshold() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(options_.fusion_threshold_bytes);
+}
+
+// ---------------------------------------------------------------- layer graph
+
+int64_t SwapEngine::new_layer() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return schedule_.new_layer();
+}
+void SwapEngine::link_layers(int64_t prev, int64_t next) {
+  std::lock_guard<std::mutex> lock(mu_);
+  schedule_.link(prev, next);
+}
+void SwapEngine::remove_layer(int64_t layer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  schedule_.remove_layer(layer);
+}
+bool SwapEngine::layer_scheduled(int64_t layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return schedule_.scheduled(layer);
+}
+
+// ---------------------------------------------------------------- invocations
+
+std::shared_ptr<SwapGroup> SwapEngine::begin_forward(int64_t layer, const std::string& name,
+                                                     bool manual, bool group_swap) {
+  std::shared_ptr<SwapGroup> group;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    group = std::make_shared<SwapGroup>(next_group_id_++, layer, name, manual, group_swap);
+    schedule_.on_begin(group);
+    if (!name.empty()) named_[name] = group;
+  }
+  t_current.emplace_back(this, group);
+  return group;
+}
+
+namespace {
+void pop_current(const SwapEngine* engine, const std::shared_ptr<SwapGroup>& group) {
+  for (auto it = t_current.rbegin(); it != t_current.rend(); ++it) {
+    if (it->first == engine && it->second == group) {
+      t_current.erase(std::next(it).base());
+      return;
+    }
+  }
+}
+}  // namespace
+
+bool SwapEngine::end_forward(const std::shared_ptr<SwapGroup>& group) {
+  pop_current(this, group);
+  std::lock_guard<std::mutex> lock(mu_);
+  // SPEC 4.7: a registered tensor written in place after registration is an error,
+  // never a silently stale copy.
+  for (const auto& reg : group->registrations) {
+    if (reg->alias()._version() != reg->saved_version()) {
+      schedule_.on_abort(group);
+      HP_CHECK(false, "a tensor registered with swap_tensor_wrapper (shape ",
+               reg->alias().sizes(), ", dtype ", reg->alias().scalar_type(),
+               ") was modified in place after it was registered (version ",
+               reg->saved_version(), " -> ", reg->alias()._version(),
+               "). Register the tensor after its last in-place update, or clone it first.");
+    }
+  }
+  group->forward_done = true;
+  if (schedule_.releases_at_forward_end(*group)) release_locked(group, false);
+  retry_deferred_locked();
+  return !group->manual() && !schedule_.scheduled(group->layer()) && !group->records().empty();
+}
+
+void SwapEngine::abort_forward(const std::shared_ptr<SwapGroup>& group) {
+  pop_current(this, group);
+  std::lock_guard<std::mutex> lock(mu_);
+  schedule_.on_abort(group);
+}
+
+void SwapEngine::backward_begin(const std::shared_ptr<SwapGroup>& group) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& g : schedule_.prefetch_targets(group, options_.prefetch_depth)) {
+    load_group_locked(g);
+  }
+}
+
+std::shared_ptr<SwapGroup> SwapEngine::current_group() const {
+  for (auto it = t_current.rbegin(); it != t_current.rend(); ++it) {
+    if (it->first == this) return it->second;
+  }
+  return nullptr;
+}
+
+std::shared_ptr<SwapGroup> SwapEngine::find_group(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = named_.find(name);
+  return it == named_.end() ? nullptr : it->second.lock();
+}
+
+// ---------------------------------------------------------------- saved tensors
+
+std::shared_ptr<SavedHandle> SwapEngine::pack(const std::shared_ptr<SwapGroup>& group,
+                                              const at::Tensor& t, PackMode mode) {
+  if (!group) return nullptr;
+  std::shared_ptr<StorageRecord> record;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (check_eligible(t, options_.cpu_swap) != Ineligible::kNone) return nullptr;
+    const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
+    if (group->excluded.count(key) != 0) return nullptr;
+    if (mode == PackMode::kRegisteredOnly) {
+      record = group->find(key);
+      if (!record) return nullptr;
+    } else {
+      record = registry_.get_or_create(t.storage(), t.scalar_type());
+      if (!group->holds(key)) {
+        group->add(record);
+        record->holders.push_back(group);
+      }
+    }
+  }
+  return std::make_shared<SavedHandle>(std::move(record), group, t.tensor_data());
+}
+
+bool SwapEngine::register_tensor(const std::shared_ptr<SwapGroup>& group, const at::Tensor& t) {
+  if (!group) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (check_eligible(t, options_.cpu_swap) != Ineligible::kNone) return false;
+  const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
+  if (group->excluded.count(key) != 0) return false;
+  auto record = registry_.get_or_create(t.storage(), t.scalar_type());
+  if (!group->holds(key)) {
+    group->add(record);
+    record->holders.push_back(group);
+  }
+  group->registrations.push_back(std::make_shared<SavedHandle>(record, nullptr, t.tensor_data()));
+  return true;
+}
+
+at::Tensor SwapEngine::unpack(const SavedHandle& handle) {
+  const at::Tensor& alias = handle.alias();
+  HP_CHECK(alias._version() == handle.saved_version(),
+           "a tensor saved for backward (shape ", alias.sizes(), ", dtype ", alias.scalar_type(),
+           ") was modified by an in-place operation after it was saved (version ",
+           handle.saved_version(), " -> ", alias._version(),
+           "). Clone the tensor before modifying it, or move the in-place op out of the "
+           "checkpoint/swap region.");
+  const auto& record = handle.record();
+  CopyEventPtr pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    switch (record->state()) {
+      case Residency::kDevice:
+        return alias;
+      case Residency::kOffloading:
+      case Residency::kHost:
+        // A schedule hole (no prefetch reached this group): reload on demand. The reload
+        // is ordered after the D2H copy (SPEC 4.2).
+        counters_->on_demand_reloads += 1;
+        reload_locked(record);
+        [[fallthrough]];
+      case Residency::kReloading:
+        pending = record->h2d_done;
+        break;
+    }
+  }
+  const double waited = pending->block_compute(record->device());
+  counters_->stall_nanoseconds += static_cast<int64_t>(waited * 1e9);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (record->state() == Residency::kReloading && record->h2d_done == pending) {
+    record->transition(Residency::kDevice);
+    record->host.reset();  // back to the pool, pending on `pending`
+    record->d2h_done.reset();
+    record->h2d_done.reset();
+    record->bucket.reset();
+  }
+  return alias;
+}
+
+// ---------------------------------------------------------------- release and reload
+
+bool SwapEngine::in_use_elsewhere(const StorageRecord& record, const c10::Storage& storage) const {
+  // `storage` itself is one reference; every other one must be a handle of ours.
+  return static_cast<int64_t>(storage.use_count()) - 1 > record.alias_refs.load();
+}
+
+void SwapEngine::release_locked(const std::shared_ptr<SwapGroup>& group, bool /*force_fuse*/) {
+  group->released = true;
+  try_offload_locked(group->records(), group->group_swap());
+}
+
+void SwapEngine::try_offload_locked(std::vector<std::shared_ptr<StorageRecord>> candidates,
+                                    bool fuse) {
+  // Per device: (records, storages) ready to leave the device now.
+  std::map<std::pair<int, int>, std::pair<std::vector<std::shared_ptr<StorageRecord>>,
+                                          std::vector<c10::Storage>>> ready;
+  for (auto& record : candidates) {
+    if (record->state() != Residency::kDevice) continue;
+    if (!record->released_by_all_holders()) continue;  // the last holder to release retries
+    c10::Storage storage = record->storage();
+    if (!storage || storage.nbytes() != record->nbytes()) continue;
+    if (in_use_elsewhere(*record, storage)) {
+      deferred_.push_back(record);
+      counters_->deferred_frees += 1;
+      continue;
+    }
+    auto key = std::make_pair(static_cast<int>(record->device().type()),
+                              static_cast<int>(record->device().index()));
+    ready[key].first.push_back(record);
+    ready[key].second.push_back(std::move(storage));
+  }
+  const size_t threshold = options_.fusion_threshold_bytes;
+  for (auto& kv : ready) {
+    auto& records = kv.second.first;
+    auto& storages = kv.second.second;
+    if (!fuse) {
+      for (size_t i = 0; i < records.size(); ++i) offload_batch_locked({records[i]}, {storages[i]}, false);
+      continue;
+    }
+    // group_swap: bucket records under the threshold by dtype, filling each bucket up to
+    // the threshold; everything else moves on its own.
+    std::map<int, std::pair<std::vector<std::shared_ptr<StorageRecord>>, std::vector<c10::Storage>>> open;
+    std::map<int, size_t> open_bytes;
+    auto flush = [&](int dtype) {
+      auto& b = open[dtype];
+      if (!b.first.empty()) offload_batch_locked(b.first, b.second, b.first.size() > 1);
+      b.first.clear();
+      b.second.clear();
+      open_bytes[dtype] = 0;
+    };
+    for (size_t i = 0; i < records.size(); ++i) {
+      const size_t n = records[i]->nbytes();
+      if (n >= threshold) {
+        offload_batch_locked({records[i]}, {storages[i]}, false);
+        continue;
+      }
+      const int dtype = static_cast<int>(records[i]->dtype());
+      if (open_bytes[dtype] + n > threshold) flush(dtype);
+      open[dtype].first.push_back(records[i]);
+      open[dtype].second.push_back(storages[i]);
+      open_bytes[dtype] += n;
+    }
+    for (auto& b : open) flush(b.first);
+  }
+}
+
+void SwapEngine::offload_batch_locked(const std::vector<std::shared_ptr<StorageRecord>>& records,
+                                      const std::vector<c10::Storage>& storages, bool fused) {
+  const c10::Device device = records.front()->device();
+  CopyEngine& engine = engine_for(device);
+  size_t total = 0;
+  for (const auto& r : records) total += r->nbytes();
+  std::shared_ptr<HostBlock> block = pool_for(device).acquire(total);
+  CopyPlan plan;
+  plan.host = block->buffer();
+  plan.fused = fused;
+  size_t offset = 0;
+  for (size_t i = 0; i < records.size(); ++i) {
+    plan.items.push_back(CopyItem{byte_view(storages[i]), offset});
+    offset += records[i]->nbytes();
+  }
+  CopyEventPtr done = engine.submit(CopyDirection::kDeviceToHost, device, plan, {});
+  block->set_last_use(done);
+  plan.items.clear();  // drop our byte views before freeing
+  auto bucket = fused ? std::make_shared<std::vector<std::weak_ptr<StorageRecord>>>() : nullptr;
+  offset = 0;
+  for (size_t i = 0; i < records.size(); ++i) {
+    const auto& r = records[i];
+    free_in_place(storages[i], engine);
+    r->transition(Residency::kOffloading);
+    r->host = block;
+    r->host_offset = offset;
+    r->d2h_done = done;
+    r->bucket = bucket;
+    if (bucket) bucket->push_back(r);
+    offset += r->nbytes();
+  }
+  counters_->offload_bytes += static_cast<int64_t>(total);
+  counters_->offload_count += static_cast<int64_t>(records.size());
+  if (fused) counters_->fused_copies += 1;
+}
+
+void SwapEngine::reload_locked(const std::shared_ptr<StorageRecord>& record) {
+  // Fused buckets come back together: one H2D copy for the bucket.
+  std::vector<std::shared_ptr<StorageRecord>> members;
+  if (record->bucket) {
+    for (const auto& weak : *record->bucket) {
+      auto m = weak.lock();
+      if (m && (m->state() == Residency::kOffloading || m->state() == Residency::kHost)) {
+        members.push_back(std::move(m));
+      }
+    }
+  } else {
+    members.push_back(record);
+  }
+  const bool complete_bucket = record->bucket && members.size() == record->bucket->size();
+  const c10::Device device = record->device();
+  CopyEngine& engine = engine_for(device);
+  std::vector<c10::Storage> storages;
+  CopyPlan plan;
+  plan.host = record->host->buffer();
+  plan.fused = complete_bucket && members.size() > 1;
+  size_t total = 0;
+  for (const auto& m : members) {
+    c10::Storage storage = m->storage();
+    HP_INTERNAL_ASSERT(storage, "reloading a storage that no longer exists");
+    refill_in_place(storage, m->nbytes(), device);
+    plan.items.push_back(CopyItem{byte_view(storage), m->host_offset});
+    storages.push_back(std::move(storage));
+    total += m->nbytes();
+  }
+  CopyEventPtr done = engine.submit(CopyDirection::kHostToDevice, device, plan,
+                                    {record->d2h_done});
+  record->host->set_last_use(done);
+  for (size_t i = 0; i < members.size(); ++i) {
+    engine.record_use(CopyDirection::kHostToDevice, device,
+                      storages[i].unsafeGetStorageImpl()->data_ptr());
+    if (members[i]->state() == Residency::kOffloading && members[i]->d2h_done->query()) {
+      members[i]->transition(Residency::kHost);
+    }
+    members[i]->transition(Residency::kReloading);
+    members[i]->h2d_done = done;
+  }
+  counters_->reload_bytes += static_cast<int64_t>(total);
+  counters_->reload_count += static_cast<int64_t>(members.size());
+  if (plan.fused) counters_->fused_copies += 1;
+}
+
+void SwapEngine::load_group_locked(const std::shared_ptr<SwapGroup>& group) {
+  for (const auto& r : group->records()) {
+    if (r->state() == Residency::kOffloading || r->state() == Residency::kHost) reload_locked(r);
+  }
+}
+
+void SwapEngine::retry_deferred_locked() {
+  std::vector<std::shared_ptr<StorageRecord>> candidates;
+  for (const auto& weak : deferred_) {
+    auto r = weak.lock();
+    if (r && r->state() == Residency::kDevice) candidates.push_back(std::move(r));
+  }
+  deferred_.clear();
+  if (!candidates.empty()) try_offload_locked(std::move(candidates), false);
+}
+
+// ---------------------------------------------------------------- manual control
+
+void SwapEngine::launch_offload(const std::shared_ptr<SwapGroup>& group) {
+  HP_CHECK_VALUE(group, "launch_offload: no such swap group");
+  std::lock_guard<std::mutex> lock(mu_);
+  release_locked(group, false);
+}
+
+void SwapEngine::wait_offload(const std::shared_ptr<SwapGroup>& group) {
+  HP_CHECK_VALUE(group, "wait_offload: no such swap group");
+  std::vector<CopyEventPtr> events;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& r : group->records()) {
+      if (r->state() == Residency::kOffloading) events.push_back(r->d2h_done);
+    }
+  }
+  for (const auto& e : events) e->synchronize();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& r : group->records()) {
+    if (r->state() == Residency::kOffloading && r->d2h_done->query()) r->transition(Residency::kHost);
+  }
+}
+
+void SwapEngine::launch_load(const std::shared_ptr<SwapGroup>& group) {
+  HP_CHECK_VALUE(group, "launch_load: no such swap group");
+  std::lock_guard<std::mutex> lock(mu_);
+  load_group_locked(group);
+}
+
+void SwapEngine::wait_load(const std::shared_ptr<SwapGroup>& group) {
+  HP_CHECK_VALUE(group, "wait_load: no such swap group");
+  std::vector<std::pair<std::shared_ptr<StorageRecord>, CopyEventPtr>> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& r : group->records()) {
+      if (r->state() == Residency::kReloading) pending.emplace_back(r, r->h2d_done);
+    }
+  }
+  for (const auto& p : pending) {
+    counters_->stall_nanoseconds +=
+        static_cast<int64_t>(p.second->block_compute(p.first->device()) * 1e9);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& p : pending) {
+    const auto& r = p.first;
+    if (r->state() == Residency::kReloading && r->h2d_done == p.second) {
+      r->transition(Residency::kDevice);
+      r->host.reset();
+      r->d2h_done.reset();
+      r->h2d_done.reset();
+      r->bucket.reset();
+    }
+  }
+}
+
+// ---------------------------------------------------------------- observability
+
+SwapStats SwapEngine::stats() {
+  SwapStats s;
+  s.offload_bytes = counters_->offload_bytes.load();
+  s.offload_count = counters_->offload_count.load();
+  s.reload_bytes = counters_->reload_bytes.load();
+  s.reload_count = counters_->reload_count.load();
+  s.resident_bytes = counters_->resident_bytes.load();
+  s.peak_resident_bytes = counters_->peak_resident_bytes.load();
+  s.fused_copies = counters_->fused_copies.load();
+  s.on_demand_reloads = counters_->on_demand_reloads.load();
+  s.deferred_frees = counters_->deferred_frees.load();
+  s.stall_seconds = static_cast<double>(counters_->stall_nanoseconds.load()) * 1e-9;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto* pool : {pageable_pool_.get(), pinned_pool_.get()}) {
+    if (!pool) continue;
+    const auto ps = pool->stats();
+    s.pinned_bytes_in_use += ps.bytes_in_use;
+    s.pinned_bytes_cached += ps.bytes_cached;
+    s.host_bytes_pending += ps.bytes_pending;
+    s.host_allocations += ps.allocations;
+    s.host_reuses += ps.reuses;
+  }
+  if (thread_engine_) s.transfers += thread_engine_->transfers_issued();
+  if (accel_engine_) s.transfers += accel_engine_->transfers_issued();
+  s.live_records = static_cast<int64_t>(registry_.live_records());
+  return s;
+}
+
+void SwapEngine::reset(bool schedule) {
+  counters_->reset();
+  std::lock_guard<std::mutex> lock(mu_);
+  deferred_.clear();
+  if (schedule) {
+    schedule_.clear();
+    named_.clear();
+  }
+}
+
+void SwapEngine::synchronize() {
+  ThreadCopyEngine* engine;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    engine = thread_engine_.get();
+  }
+  if (engine) engine->drain();
+}
+
+const char* SwapEngine::residency_of(const at::Tensor& t) const {
+  if (!t.defined() || !t.has_storage()) return nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto record = registry_.find(t.storage().unsafeGetStorageImpl());
+  return record ? to_string(record->state()) : nullptr;
+}
+
+CopyEngine& SwapEngine::engine_for(c10::Device device) {
+  if (device.is_cpu()) {
+    if (!thread_engine_) {
+      thread_engine_ = std::make_unique<ThreadCopyEngine>(options_.cpu_delay_ns_per_byte);
+    }
+    return *thread_engine_;
+  }
+  if (!accel_engine_) accel_engine_ = std::make_unique<AcceleratorCopyEngine>();
+  return *accel_engine_;
+}
+
+HostBufferPool& SwapEngine::pool_for(c10::Device device) {
+  if (device.is_cpu()) {
+    if (!pageable_pool_) pageable_pool_ = HostBufferPool::create(/*pinned=*/false);
+    return *pageable_pool_;
+  }
+  if (!pinned_pool_) pinned_pool_ = HostBufferPool::create(/*pinned=*/true);
+  return *pinned_pool_;
+}
+
+}  // namespace hyper_parallel::activation

@@ -1,0 +1,143 @@
+#pragma once
+// SwapEngine: the runtime behind SwapManager (SPEC 2, 3, 5, 6).
+//
+// Owns the alias registry, the layer schedule, the live invocations (groups), the copy
+// engines (accelerator streams, or the worker-thread backend for host tensors), the host
+// buffer pools and the statistics. Python only calls in from its hooks:
+//
+//   begin_forward(layer)      a region (layer invocation) starts; it becomes current
+//   pack(tensor, mode)        saved-tensor pack hook -> SavedHandle or null (pass through)
+//   register_tensor(tensor)   swap_tensor_wrapper: add a storage to the current group
+//   end_forward(group)        the region ended: release per schedule, retry deferred frees
+//   abort_forward(group)      the region raised: unlink, keep everything on device
+//   backward_begin(group)     first gradient reached the region: prefetch (SPEC 3)
+//   unpack(handle)            saved-tensor unpack hook: reload/wait, version check
+//
+// A record leaves the device ("release") only when (1) every live group holding it has
+// released it, and (2) no one but hyper_parallel's own handles references its storage
+// (use count == alias_refs). (2) is how a storage that a later forward consumer still
+// needs (layer output, skip connection, shared input) stays on device: the free is
+// deferred and retried at the next release point. See docs/design.md.
+//
+// Thread-safety: every public method is thread-safe. One engine mutex guards registry,
+// groups and schedule; no copy runs and no host wait happens under it.
+
+#include "hyper_parallel/activation/AcceleratorCopyEngine.h"
+#include "hyper_parallel/activation/AliasRegistry.h"
+#include "hyper_parallel/activation/HostBufferPool.h"
+#include "hyper_parallel/activation/SavedHandle.h"
+#include "hyper_parallel/activation/Schedule.h"
+#include "hyper_parallel/activation/SwapGroup.h"
+#include "hyper_parallel/activation/SwapStats.h"
+#include "hyper_parallel/activation/ThreadCopyEngine.h"
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace hyper_parallel::activation {
+
+struct SwapEngineOptions {
+  bool cpu_swap = false;                        // swap host tensors through the thread backend
+  double cpu_delay_ns_per_byte = 0.0;           // artificial delay of the thread backend
+  int prefetch_depth = 1;                       // layers reloaded ahead in backward
+  size_t fusion_threshold_bytes = size_t{32} << 20;  // group_swap: bucket limit (32 MiB)
+};
+
+class SwapEngine {
+ public:
+  explicit SwapEngine(SwapEngineOptions options = {});
+  ~SwapEngine();
+  SwapEngine(const SwapEngine&) = delete;
+  SwapEngine& operator=(const SwapEngine&) = delete;
+
+  // The process-wide engine (never destroyed, so hooks running at exit stay valid).
+  static SwapEngine& global();
+
+  // --- configuration -------------------------------------------------------------
+  void set_cpu_swap(bool enabled);
+  bool cpu_swap() const;
+  void set_cpu_delay_ns_per_byte(double delay);
+  void set_prefetch_depth(int depth);   // >= 0; throws c10::Error otherwise
+  int prefetch_depth() const;
+  void set_fusion_threshold(int64_t bytes);  // > 0
+  int64_t fusion_threshold() const;
+
+  // --- layer graph ---------------------------------------------------------------
+  int64_t new_layer();
+  void link_layers(int64_t prev, int64_t next);
+  void remove_layer(int64_t layer);
+  bool layer_scheduled(int64_t layer) const;
+
+  // --- invocations -----------------------------------------------------------------
+  // Starts an invocation of `layer` (-1: none) and pushes it as the current group of
+  // this thread. `manual`: released only by launch_offload (group_context).
+  std::shared_ptr<SwapGroup> begin_forward(int64_t layer, const std::string& name, bool manual,
+                                           bool group_swap);
+  // Pops `group` and applies the schedule. Returns true when the group is unscheduled
+  // and holds records (the caller may warn that there is no overlap).
+  bool end_forward(const std::shared_ptr<SwapGroup>& group);
+  void abort_forward(const std::shared_ptr<SwapGroup>& group);
+  void backward_begin(const std::shared_ptr<SwapGroup>& group);
+  // Current group of this thread, or null.
+  std::shared_ptr<SwapGroup> current_group() const;
+  std::shared_ptr<SwapGroup> find_group(const std::string& name) const;
+
+  // --- saved tensors -----------------------------------------------------------------
+  // Null when `t` passes through (ineligible, excluded, or mode kRegisteredOnly and the
+  // storage is not registered in the group).
+  std::shared_ptr<SavedHandle> pack(const std::shared_ptr<SwapGroup>& group, const at::Tensor& t,
+                                    PackMode mode);
+  // Registers `t`'s storage with `group` (swap_tensor_wrapper). Returns false when `t` is
+  // not eligible.
+  bool register_tensor(const std::shared_ptr<SwapGroup>& group, const at::Tensor& t);
+  // Makes the handle's storage resident and returns its tensor. Throws c10::Error when the
+  // tensor was modified in place after it was saved or registered (SPEC 4.7).
+  at::Tensor unpack(const SavedHandle& handle);
+
+  // --- manual group control (SPEC 2: launch/wait offload/load) -------------------------
+  void launch_offload(const std::shared_ptr<SwapGroup>& group);
+  void wait_offload(const std::shared_ptr<SwapGroup>& group);
+  void launch_load(const std::shared_ptr<SwapGroup>& group);
+  void wait_load(const std::shared_ptr<SwapGroup>& group);
+
+  // --- observability -----------------------------------------------------------------
+  SwapStats stats();
+  // Clears counters; with `schedule`, also forgets layer links and live-invocation links.
+  void reset(bool schedule);
+  // Waits for every queued copy of the thread backend (tests).
+  void synchronize();
+  // Residency of the record of `t`'s storage, or nullptr when it is not managed.
+  const char* residency_of(const at::Tensor& t) const;
+
+ private:
+  struct Batch;
+  CopyEngine& engine_for(c10::Device device);
+  HostBufferPool& pool_for(c10::Device device);
+  // All under mu_:
+  void release_locked(const std::shared_ptr<SwapGroup>& group, bool force_fuse);
+  void try_offload_locked(std::vector<std::shared_ptr<StorageRecord>> candidates, bool fuse);
+  void offload_batch_locked(const std::vector<std::shared_ptr<StorageRecord>>& records,
+                            const std::vector<c10::Storage>& storages, bool fused);
+  void reload_locked(const std::shared_ptr<StorageRecord>& record);
+  void load_group_locked(const std::shared_ptr<SwapGroup>& group);
+  void retry_deferred_locked();
+  bool in_use_elsewhere(const StorageRecord& record, const c10::Storage& storage) const;
+
+  mutable std::mutex mu_;
+  SwapEngineOptions options_;
+  std::shared_ptr<SwapStatsCounters> counters_;
+  AliasRegistry registry_;
+  Schedule schedule_;
+  std::unordered_map<std::string, std::weak_ptr<SwapGroup>> named_;
+  std::vector<std::weak_ptr<StorageRecord>> deferred_;
+  int64_t next_group_id_ = 0;
+  std::unique_ptr<ThreadCopyEngine> thread_engine_;
+  std::unique_ptr<AcceleratorCopyEngine> accel_engine_;
+  std::shared_ptr<HostBufferPool> pageable_pool_;
+  std::shared_ptr<HostBufferPool> pinned_pool_;
+};
+
+}  // namespace hyper_parallel::activation

@@ -1,0 +1,16 @@
+#include "hyper_parallel/activation/SwapGroup.h"
+
+#include "hyper_parallel/activation/SavedHandle.h"
+
+namespace hyper_parallel::activation {
+
+std::shared_ptr<StorageRecord> SwapGroup::find(const c10::StorageImpl* key) const {
+  auto it = index_.find(key);
+  return it == index_.end() ? nullptr : records_[it->second];
+}
+
+void SwapGroup::add(const std::shared_ptr<StorageRecord>& record) {
+  if (index_.emplace(record->key(), records_.size()).second) records_.push_back(record);
+}
+
+}  // namespace hyper_parallel::activation

@@ -1,0 +1,71 @@
+#pragma once
+// SwapGroup: the records saved during ONE invocation of one layer (or one manual group).
+//
+// Never per module: a layer called twice before backward (gradient accumulation,
+// micro-batches, weight sharing) has two groups, each with its own schedule links
+// (SPEC 4.5). Groups are owned by the saved-tensor handles autograd holds (and the
+// backward pre-hooks of the invocation), so a group dies with its graph; the schedule
+// only holds weak references.
+//
+// Thread-safety: guarded by the SwapEngine lock.
+
+#include "hyper_parallel/activation/StorageRecord.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace hyper_parallel::activation {
+
+class SavedHandle;
+
+// What the pack hook of a region does with an eligible saved tensor.
+enum class PackMode : uint8_t {
+  kSwapAll = 0,         // swap() / swap_wrapper: every eligible tensor (subject to policy)
+  kRegisteredOnly = 1,  // only storages registered in the group (swap_tensor_wrapper, MUST_SWAP)
+};
+
+class SwapGroup {
+ public:
+  SwapGroup(int64_t id, int64_t layer, std::string name, bool manual, bool group_swap)
+      : id_(id), layer_(layer), name_(std::move(name)), manual_(manual), group_swap_(group_swap) {}
+
+  int64_t id() const { return id_; }
+  int64_t layer() const { return layer_; }  // -1 when not a registered layer
+  const std::string& name() const { return name_; }
+  void set_name(std::string name) { name_ = std::move(name); }
+  bool manual() const { return manual_; }
+  bool group_swap() const { return group_swap_; }
+
+  // Records of this invocation, each once.
+  const std::vector<std::shared_ptr<StorageRecord>>& records() const { return records_; }
+  bool holds(const c10::StorageImpl* key) const { return index_.count(key) != 0; }
+  std::shared_ptr<StorageRecord> find(const c10::StorageImpl* key) const;
+  void add(const std::shared_ptr<StorageRecord>& record);
+
+  // Storages never swapped for this invocation (the wrapped module's parameters/buffers).
+  std::unordered_set<const c10::StorageImpl*> excluded;
+  // Handles for tensors registered explicitly (swap_tensor_wrapper); they count as
+  // hyper_parallel's own references. They do not point back to the group.
+  std::vector<std::shared_ptr<SavedHandle>> registrations;
+
+  bool forward_done = false;
+  bool released = false;    // this invocation allows its records to leave the device
+  bool aborted = false;     // forward raised
+  std::weak_ptr<SwapGroup> prev;  // invocation of the predecessor layer in the same pass
+  std::weak_ptr<SwapGroup> next;
+
+ private:
+  int64_t id_;
+  int64_t layer_;
+  std::string name_;
+  bool manual_;
+  bool group_swap_;
+  std::vector<std::shared_ptr<StorageRecord>> records_;
+  std::unordered_map<const c10::StorageImpl*, size_t> index_;
+};
+
+}  // namespace hyper_parallel::activation
