@@ -2,6 +2,7 @@
 
 #include "hyper_parallel/activation/CheckpointPolicy.h"
 #include "hyper_parallel/activation/Eligibility.h"
+#include "hyper_parallel/activation/SavedBytesMeter.h"
 #include "hyper_parallel/activation/SwapEngine.h"
 #include "hyper_parallel/common/Macros.h"
 
@@ -37,6 +38,7 @@ class PackHook {
   py::object operator()(const py::object& obj) const {
     if (!THPVariable_Check(obj.ptr())) return obj;
     const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+    if (auto* meter = SavedBytesMeter::active()) meter->observe(t);
     auto group = engine().current_group();
     if (!group) return obj;
     if (mode_ == PackMode::kSwapAll && !policy_fn_.is_none()) {
@@ -117,6 +119,30 @@ void bind_swap(py::module_& m) {
       .def("__call__", &PackHook::operator(), py::arg("tensor"));
   m.def("unpack_hook", &unpack_hook, py::arg("packed"));
 
+  py::class_<SavedBytesMeter, std::shared_ptr<SavedBytesMeter>>(m, "SavedBytesMeter",
+      "Peak bytes of storages saved for backward (see SavedBytesMeter.h).")
+      .def(py::init<>())
+      .def("observe", [](SavedBytesMeter& meter, const py::object& obj) {
+        if (THPVariable_Check(obj.ptr())) meter.observe(THPVariable_Unpack(obj.ptr()));
+        return obj;
+      }, py::arg("tensor"), "Records the tensor's storage; returns the tensor (a pack hook).")
+      .def("sample", &SavedBytesMeter::sample)
+      .def_property_readonly("peak", &SavedBytesMeter::peak)
+      .def_property_readonly("observed_storages", &SavedBytesMeter::observed_storages)
+      .def("reset", &SavedBytesMeter::reset)
+      .def("activate", [](const std::shared_ptr<SavedBytesMeter>& meter) {
+        HP_CHECK(SavedBytesMeter::active() == nullptr,
+                 "another saved_activation_memory() meter is already active; nesting meters is "
+                 "not supported, measure one region at a time");
+        SavedBytesMeter::set_active(meter.get());
+      })
+      .def("deactivate", [](const std::shared_ptr<SavedBytesMeter>& meter) {
+        if (SavedBytesMeter::active() == meter.get()) SavedBytesMeter::set_active(nullptr);
+      });
+  m.def("active_meter", []() -> py::object {
+    return SavedBytesMeter::active() ? py::bool_(true) : py::bool_(false);
+  });
+
   // Engine entry points (the process-wide SwapEngine).
   m.def("set_cpu_swap", [](bool on) { engine().set_cpu_swap(on); }, py::arg("enabled"));
   m.def("cpu_swap", [] { return engine().cpu_swap(); });
@@ -137,6 +163,8 @@ void bind_swap(py::module_& m) {
   m.def("backward_begin", [](const std::shared_ptr<SwapGroup>& g) { engine().backward_begin(g); },
         py::call_guard<py::gil_scoped_release>());
   m.def("current_group", [] { return engine().current_group(); });
+  m.def("name_group", [](const std::shared_ptr<SwapGroup>& g) { engine().name_group(g); });
+  m.def("set_group_swap", [](const std::shared_ptr<SwapGroup>& g, bool on) { g->set_group_swap(on); });
   m.def("register_tensor", [](const at::Tensor& t) {
     return engine().register_tensor(engine().current_group(), t);
   }, py::arg("tensor"));

@@ -190,6 +190,11 @@ std::shared_ptr<SwapGroup> SwapEngine::find_group(const std::string& name) const
   return it == named_.end() ? nullptr : it->second.lock();
 }
 
+void SwapEngine::name_group(const std::shared_ptr<SwapGroup>& group) {
+  std::lock_guard<std::mutex> lock(mu_);
+  named_[group->name()] = group;
+}
+
 // ---------------------------------------------------------------- saved tensors
 
 std::shared_ptr<SavedHandle> SwapEngine::pack(const std::shared_ptr<SwapGroup>& group,

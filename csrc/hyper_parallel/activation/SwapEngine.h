@@ -84,6 +84,8 @@ class SwapEngine {
   // Current group of this thread, or null.
   std::shared_ptr<SwapGroup> current_group() const;
   std::shared_ptr<SwapGroup> find_group(const std::string& name) const;
+  // Makes `group` findable under its (new) name.
+  void name_group(const std::shared_ptr<SwapGroup>& group);
 
   // --- saved tensors -----------------------------------------------------------------
   // Null when `t` passes through (ineligible, excluded, or mode kRegisteredOnly and the

@@ -39,6 +39,7 @@ class SwapGroup {
   void set_name(std::string name) { name_ = std::move(name); }
   bool manual() const { return manual_; }
   bool group_swap() const { return group_swap_; }
+  void set_group_swap(bool on) { group_swap_ = on; }
 
   // Records of this invocation, each once.
   const std::vector<std::shared_ptr<StorageRecord>>& records() const { return records_; }

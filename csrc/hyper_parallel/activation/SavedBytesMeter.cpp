@@ -1,0 +1,66 @@
+#include "hyper_parallel/activation/SavedBytesMeter.h"
+
+#include <c10/core/Storage.h>
+
+namespace hyper_parallel::activation {
+
+namespace {
+std::atomic<SavedBytesMeter*> g_active{nullptr};
+}
+
+SavedBytesMeter* SavedBytesMeter::active() { return g_active.load(std::memory_order_acquire); }
+void SavedBytesMeter::set_active(SavedBytesMeter* meter) {
+  g_active.store(meter, std::memory_order_release);
+}
+
+void SavedBytesMeter::observe(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || t.is_meta()) return;
+  if (t.requires_grad() && t.is_leaf()) return;  // a parameter
+  if (t.is_view()) {
+    const at::TensorBase& base = t._base();
+    if (base.defined() && base.requires_grad() && base.is_leaf()) return;
+  }
+  const c10::Storage& storage = t.storage();
+  const c10::StorageImpl* key = storage.unsafeGetStorageImpl();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = seen_.find(key);
+  if (it != seen_.end() && !it->second.expired()) return;
+  seen_.insert_or_assign(key, storage.getWeakStorageImpl());
+  running_ += static_cast<int64_t>(storage.nbytes());
+  if (running_ > peak_) peak_ = running_;
+}
+
+int64_t SavedBytesMeter::sample() {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t total = 0;
+  for (auto it = seen_.begin(); it != seen_.end();) {
+    if (auto strong = it->second.lock()) {
+      total += static_cast<int64_t>(strong->nbytes());
+      ++it;
+    } else {
+      it = seen_.erase(it);
+    }
+  }
+  running_ = total;
+  if (total > peak_) peak_ = total;
+  return total;
+}
+
+int64_t SavedBytesMeter::peak() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_;
+}
+
+int64_t SavedBytesMeter::observed_storages() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(seen_.size());
+}
+
+void SavedBytesMeter::reset() {
+  std::lock_guard<std::mutex> lock(mu_);
+  seen_.clear();
+  running_ = 0;
+  peak_ = 0;
+}
+
+}  // namespace hyper_parallel::activation

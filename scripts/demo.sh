@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Sets up (scripts/setup.sh), then runs the main job: a Llama-architecture model trained
+# on real text under every activation strategy. Arguments go to the demo (see --help).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+bash scripts/setup.sh >&2
+PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -m hyper_parallel.demo "$@"

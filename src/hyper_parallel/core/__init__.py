@@ -1,0 +1,1 @@
+"""Core features of hyper_parallel."""

@@ -1,0 +1,26 @@
+"""Activation checkpoint and swap: the public API of hyper_parallel.
+
+Recompute (``checkpoint``, ``checkpoint_wrapper``, per-op ``CheckpointPolicy``), swap
+(``swap``, ``swap_wrapper``, ``swap_tensor_wrapper``, ``SwapManager``) or both.
+"""
+
+from ._checkpoint import CheckpointWrapper, checkpoint, checkpoint_wrapper
+from ._memory import SavedActivationMeter, saved_activation_memory
+from ._policy import CheckpointPolicy
+from ._swap import swap, swap_tensor_wrapper
+from ._swap_manager import SwapManager
+from ._wrappers import SwapWrapper, swap_wrapper
+
+__all__ = [
+    "CheckpointPolicy",
+    "CheckpointWrapper",
+    "SavedActivationMeter",
+    "SwapManager",
+    "SwapWrapper",
+    "checkpoint",
+    "checkpoint_wrapper",
+    "saved_activation_memory",
+    "swap",
+    "swap_tensor_wrapper",
+    "swap_wrapper",
+]

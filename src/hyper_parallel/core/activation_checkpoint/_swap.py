@@ -1,0 +1,145 @@
+"""Functional swap API: ``swap`` and ``swap_tensor_wrapper`` (SPEC 2)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from hyper_parallel._extension import _C
+
+from ._region import SWAP_ALL, Region
+from ._swap_manager import SwapManager, layer_node
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread (e.g. recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def module_state_tensors(obj) -> list:
+    """Parameters and buffers of ``obj`` (an nn.Module), never swapped by its region."""
+    if not isinstance(obj, torch.nn.Module):
+        return []
+    return [*obj.parameters(), *obj.buffers()]
+
+
+def region_name(obj) -> str:
+    node = layer_node(obj)
+    if node is not None:
+        return node.name
+    if isinstance(obj, torch.nn.Module):
+        return type(obj).__name__
+    return getattr(obj, "__qualname__", type(obj).__name__)
+
+
+class LayerCall:
+    """A callable plus the object that identifies its layer in the schedule (a wrapper)
+    and the module whose parameters and buffers are never swapped."""
+
+    __slots__ = ("owner", "fn", "state_module")
+
+    def __init__(self, owner, fn, state_module=None):
+        self.owner = owner
+        self.fn = fn
+        self.state_module = state_module
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def resolve_layer(function):
+    """(schedule node or None, region name, tensors never swapped) of a call target."""
+    if isinstance(function, LayerCall):
+        node = layer_node(function.owner)
+        if node is None and function.state_module is None:
+            node = layer_node(function.fn)
+        name = node.name if node is not None else region_name(function.fn)
+        return node, name, module_state_tensors(function.state_module)
+    node = layer_node(function)
+    return node, region_name(function), module_state_tensors(function)
+
+
+def swap(function, *args, policy_fn=None, group_swap=False, **kwargs):
+    """Runs ``function(*args, **kwargs)`` and swaps the tensors it saves for backward.
+
+    Saved activations are offloaded to host memory (D2H on a side stream) after the
+    forward of this layer and prefetched back (H2D) before its backward, per the
+    schedule declared with ``SwapManager().set_forward_prefetch_layer``. Nothing is
+    recomputed; gradients are bitwise identical to running ``function`` directly.
+
+    Args:
+        function: an ``nn.Module`` or callable; its registered schedule node (if any)
+            places this call in the prefetch chain.
+        *args, **kwargs: passed to ``function``.
+        policy_fn: ``policy_fn(tensor) -> CheckpointPolicy`` per saved tensor:
+            ``MUST_SWAP`` offloads it, ``MUST_SAVE`` keeps it on device. ``None`` swaps
+            every eligible tensor (parameters, buffers, host tensors and foreign storages
+            are never swapped, SPEC 4.4).
+        group_swap: fuse tensors under the bucket threshold (32 MiB by default) into few
+            large copies, one D2H and one H2D per bucket.
+
+    Returns:
+        Whatever ``function`` returns.
+
+    Raises:
+        ValueError: when ``policy_fn`` returns anything but MUST_SAVE / MUST_SWAP.
+    """
+    SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP on first use
+    if in_backward() or not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    node, name, excluded = resolve_layer(function)
+    region = Region(node.layer_id if node is not None else -1, name, SWAP_ALL, policy_fn,
+                    group_swap, excluded)
+    with region:
+        out = function(*args, **kwargs)
+    region.attach_backward(out)
+    return out
+
+
+_warned_outside = False
+
+
+def swap_tensor_wrapper(target, tag=None, group_swap=False):
+    """Registers the tensors in ``target`` with the current swap group; returns ``target``.
+
+    Call it inside a layer's forward (a swap/checkpoint region, a wrapper, or a module
+    registered with ``SwapManager().set_forward_prefetch_layer``). The storages of the
+    registered tensors are offloaded with the group and prefetched before its backward;
+    other saved tensors of a plain registered module stay on device.
+
+    Args:
+        target: a tensor or a nested container (tuple, list, dict) of tensors.
+        tag: a label for debugging; not used for scheduling.
+        group_swap: fuse the group's small tensors into few large copies.
+
+    Returns:
+        ``target`` unchanged (the same objects).
+
+    Raises:
+        RuntimeError: at the end of the layer's forward, if a registered tensor was
+            modified in place after registration (SPEC 4.7).
+    """
+    global _warned_outside
+    SwapManager()
+    if in_backward() or not torch.is_grad_enabled():
+        return target  # recompute or inference: nothing is saved for a later backward
+    group = _C.current_group()
+    if group is None:
+        if not _warned_outside:
+            _warned_outside = True
+            warnings.warn(
+                "hyper_parallel: swap_tensor_wrapper was called outside any swap region, so "
+                "nothing was registered. Call it inside the forward of a layer registered "
+                "with SwapManager().set_forward_prefetch_layer(prev, next), or inside a "
+                "swap/checkpoint region or SwapManager().group_context(name).",
+                stacklevel=2,
+            )
+        return target
+    if group_swap:
+        _C.set_group_swap(group, True)
+    for t in tree_flatten(target)[0]:
+        if isinstance(t, torch.Tensor):
+            _C.register_tensor(t)
+    return target

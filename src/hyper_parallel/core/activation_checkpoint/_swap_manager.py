@@ -1,0 +1,252 @@
+"""SwapManager: the process-wide face of the C++ swap engine (SPEC 2, 3, 6)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import threading
+
+import torch
+
+from hyper_parallel._extension import _C
+
+from ._region import REGISTERED_ONLY, Region
+
+_LAYER_ATTR = "_hyper_parallel_layer"
+
+
+class _LayerNode:
+    """A layer's identity in the engine's schedule, stored on the module or function.
+
+    Deep-copying a module deep-copies its node: the copy gets a new engine layer id and
+    the links of the copied chain, so a copied model has its own schedule (SPEC 4.5).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.layer_id = _C.new_layer()
+        self.name = name
+        self.prev: _LayerNode | None = None
+        self.next: _LayerNode | None = None
+        self.hook_handles: list = []
+
+    def __deepcopy__(self, memo):
+        new = _LayerNode.__new__(_LayerNode)
+        memo[id(self)] = new
+        new.layer_id = _C.new_layer()
+        new.name = self.name
+        new.hook_handles = []
+        new.prev = copy.deepcopy(self.prev, memo) if self.prev is not None else None
+        new.next = copy.deepcopy(self.next, memo) if self.next is not None else None
+        if new.prev is not None:
+            _C.link_layers(new.prev.layer_id, new.layer_id)
+        if new.next is not None:
+            _C.link_layers(new.layer_id, new.next.layer_id)
+        return new
+
+    # Forward hooks for plain modules (not our wrappers) that take part in a schedule:
+    # the module's forward becomes a region in which swap_tensor_wrapper registrations
+    # are honoured.
+    def pre_hook(self, module, args):
+        region = Region(self.layer_id, self.name, REGISTERED_ONLY)
+        region.__enter__()
+        module.__dict__.setdefault("_hyper_parallel_regions", []).append(region)
+
+    def post_hook(self, module, args, output):
+        region = module.__dict__["_hyper_parallel_regions"].pop()
+        region.__exit__(None, None, None)
+        region.attach_backward(output)
+        return None
+
+    def post_hook_always(self, module, args, output=None):
+        # Registered with always_call=True: runs on exceptions too. The normal path is
+        # handled by post_hook; here only a region left open by an exception is aborted.
+        stack = module.__dict__.get("_hyper_parallel_regions")
+        if stack and output is None:
+            region = stack.pop()
+            _C.abort_forward(region.group)
+            if region._pushed:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+
+
+def layer_node(obj, create: bool = False) -> _LayerNode | None:
+    """The schedule node of a module, wrapper or function (created on request)."""
+    node = getattr(obj, _LAYER_ATTR, None) if not isinstance(obj, torch.nn.Module) else \
+        obj.__dict__.get(_LAYER_ATTR)
+    if node is None and isinstance(obj, torch.nn.Module):
+        inner = getattr(obj, "_hp_wrapped", None)
+        if inner is not None:
+            node = layer_node(inner)
+    if node is None and create:
+        name = type(obj).__name__ if isinstance(obj, torch.nn.Module) else getattr(
+            obj, "__qualname__", repr(obj))
+        node = _LayerNode(f"{name}#{_C.new_layer()}")
+        if isinstance(obj, torch.nn.Module):
+            obj.__dict__[_LAYER_ATTR] = node
+        else:
+            try:
+                setattr(obj, _LAYER_ATTR, node)
+            except (AttributeError, TypeError) as err:
+                raise TypeError(
+                    f"hyper_parallel: cannot register {obj!r} as a swap layer: it does not "
+                    "accept attributes (bound methods, builtins). Register the nn.Module or "
+                    "a plain Python function instead.") from err
+    return node
+
+
+class SwapManager:
+    """Process-wide swap schedule and statistics (a singleton: ``SwapManager()`` always
+    returns the same object).
+
+    Thread-safety: every method may be called from several threads; the state lives in
+    the C++ engine behind one lock.
+    """
+
+    _instance: SwapManager | None = None
+    _lock = threading.Lock()
+
+    def __new__(cls):
+        with cls._lock:
+            if cls._instance is None:
+                inst = super().__new__(cls)
+                if os.environ.get("HYPER_PARALLEL_CPU_SWAP", "0") not in ("", "0"):
+                    _C.set_cpu_swap(True)
+                delay = os.environ.get("HYPER_PARALLEL_CPU_SWAP_DELAY_NS_PER_BYTE")
+                if delay:
+                    _C.set_cpu_delay_ns_per_byte(float(delay))
+                cls._instance = inst
+            return cls._instance
+
+    # ------------------------------------------------------------------ schedule
+    def set_forward_prefetch_layer(self, first, second) -> None:
+        """Declares that ``second`` runs after ``first`` in forward (not necessarily
+        adjacent). Over ``layers[i], layers[i+1]`` it builds a chain: layer ``i``'s
+        activations are offloaded while layer ``i+1`` runs forward, and prefetched while
+        layer ``i+1`` runs backward.
+
+        Args:
+            first, second: ``nn.Module`` s (wrapped or not) or plain functions.
+
+        Raises:
+            ValueError: when ``first is second``.
+        """
+        if first is second:
+            raise ValueError("hyper_parallel: set_forward_prefetch_layer(a, b) needs two "
+                             "different layers; got the same object twice")
+        a = layer_node(first, create=True)
+        b = layer_node(second, create=True)
+        _C.link_layers(a.layer_id, b.layer_id)
+        a.next, b.prev = b, a
+        for obj, node in ((first, a), (second, b)):
+            self._install_module_hooks(obj, node)
+
+    def unregister(self, model) -> None:
+        """Removes ``model`` and all its submodules (or one function) from the schedule."""
+        objs = list(model.modules()) if isinstance(model, torch.nn.Module) else [model]
+        for obj in objs:
+            node = (obj.__dict__.pop(_LAYER_ATTR, None) if isinstance(obj, torch.nn.Module)
+                    else getattr(obj, _LAYER_ATTR, None))
+            if node is None:
+                continue
+            for h in node.hook_handles:
+                h.remove()
+            node.hook_handles.clear()
+            _C.remove_layer(node.layer_id)
+            if node.prev is not None and node.prev.next is node:
+                node.prev.next = None
+            if node.next is not None and node.next.prev is node:
+                node.next.prev = None
+            if not isinstance(obj, torch.nn.Module):
+                with contextlib.suppress(AttributeError):
+                    delattr(obj, _LAYER_ATTR)
+
+    def _install_module_hooks(self, obj, node: _LayerNode) -> None:
+        if not isinstance(obj, torch.nn.Module) or getattr(obj, "_hp_is_wrapper", False):
+            return  # our wrappers open their own region; functions are wrapped by swap()
+        if node.hook_handles:
+            return
+        node.hook_handles = [
+            obj.register_forward_pre_hook(node.pre_hook),
+            obj.register_forward_hook(node.post_hook),
+            obj.register_forward_hook(node.post_hook_always, always_call=True),
+        ]
+
+    def set_prefetch_depth(self, depth: int) -> None:
+        """How many layers ahead backward prefetches (default 1; 0 = only on demand)."""
+        _C.set_prefetch_depth(int(depth))
+
+    def get_prefetch_depth(self) -> int:
+        return int(_C.prefetch_depth())
+
+    def set_group_swap_threshold(self, nbytes: int) -> None:
+        """group_swap bucket size limit in bytes (default 32 MiB)."""
+        _C.set_fusion_threshold(int(nbytes))
+
+    def set_cpu_swap(self, enabled: bool, delay_ns_per_byte: float | None = None) -> None:
+        """Makes host tensors swappable through the worker-thread copy backend (tests and
+        demos on machines without an accelerator); same as ``HYPER_PARALLEL_CPU_SWAP=1``.
+        ``delay_ns_per_byte`` adds an artificial copy delay."""
+        _C.set_cpu_swap(bool(enabled))
+        if delay_ns_per_byte is not None:
+            _C.set_cpu_delay_ns_per_byte(float(delay_ns_per_byte))
+
+    def cpu_swap_enabled(self) -> bool:
+        return bool(_C.cpu_swap())
+
+    # ------------------------------------------------------------------ groups
+    def get_current_group_name(self) -> str | None:
+        """Name of the swap group of the innermost running region on this thread."""
+        group = _C.current_group()
+        return None if group is None else group.name
+
+    def set_current_group_name(self, name: str) -> None:
+        """Renames the current group (so launch_*/wait_* can address it).
+
+        Raises:
+            RuntimeError: outside any region or group_context.
+        """
+        group = _C.current_group()
+        if group is None:
+            raise RuntimeError("hyper_parallel: set_current_group_name() called outside a swap "
+                               "region; use it inside a swap/checkpoint region or "
+                               "SwapManager().group_context(name)")
+        group.name = str(name)
+        _C.name_group(group)
+
+    @contextlib.contextmanager
+    def group_context(self, name: str):
+        """A manual swap group: tensors registered inside (``swap_tensor_wrapper``, or
+        saved while ``swap`` hooks are active) stay on device until you call
+        ``launch_offload(name)``; bring them back with ``launch_load``/``wait_load``."""
+        region = Region(-1, str(name), REGISTERED_ONLY, manual=True)
+        with region:
+            yield region.group
+
+    def launch_offload(self, group: str) -> None:
+        """Starts the D2H copies of group ``group`` and releases its device memory."""
+        _C.launch_offload(str(group))
+
+    def wait_offload(self, group: str) -> None:
+        """Blocks until the D2H copies of ``group`` are complete."""
+        _C.wait_offload(str(group))
+
+    def launch_load(self, group: str) -> None:
+        """Re-allocates ``group``'s storages and starts their H2D copies."""
+        _C.launch_load(str(group))
+
+    def wait_load(self, group: str) -> None:
+        """Orders the compute stream after ``group``'s H2D copies."""
+        _C.wait_load(str(group))
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        """Counters of SPEC 6 (bytes, counts, seconds)."""
+        return dict(_C.stats())
+
+    def reset(self) -> None:
+        """Clears the counters and all schedule state (layer links included)."""
+        _C.reset(True)
+
+    def synchronize(self) -> None:
+        """Waits for every queued copy of the CPU backend (tests)."""
+        _C.synchronize()

@@ -1,0 +1,140 @@
+"""Module and callable wrappers: ``swap_wrapper`` and ``checkpoint_wrapper`` (SPEC 2).
+
+A module wrapper keeps the wrapped module as its child ``_checkpoint_wrapped_module``
+(the attribute name torch's own checkpoint wrapper uses, which torch.distributed's
+state-dict helpers already strip from fully qualified names) and is transparent:
+``state_dict()`` keys, ``named_parameters()``/``named_buffers()``, attribute access,
+indexing, ``len`` and iteration are those of the wrapped module, and a state dict saved
+with or without wrappers loads into the other.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from ._swap import LayerCall, in_backward, swap
+
+_PREFIX = "_checkpoint_wrapped_module"
+_PREFIX_DOT = _PREFIX + "."
+
+
+def _strip(name: str) -> str:
+    return name.replace(_PREFIX_DOT, "")
+
+
+class ActivationWrapper(nn.Module):
+    """Base of our module wrappers; subclasses implement :meth:`forward`."""
+
+    _hp_is_wrapper = True
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        if getattr(module, "_hp_is_wrapper", False):
+            raise ValueError(
+                f"hyper_parallel: {type(module).__name__} is already wrapped by a "
+                "hyper_parallel wrapper; wrap each module once (choose checkpoint_wrapper "
+                "or swap_wrapper, and pass all options to that one call).")
+        self._checkpoint_wrapped_module = module
+        self._register_state_dict_hook(_strip_prefix_hook)
+        self._register_load_state_dict_pre_hook(_add_prefix_hook, with_module=False)
+
+    @property
+    def _hp_wrapped(self) -> nn.Module:
+        return self._checkpoint_wrapped_module
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules[_PREFIX], name)
+
+    def __getitem__(self, idx):
+        return self._checkpoint_wrapped_module[idx]
+
+    def __len__(self):
+        return len(self._checkpoint_wrapped_module)
+
+    def __iter__(self):
+        return iter(self._checkpoint_wrapped_module)
+
+    def named_parameters(self, *args, **kwargs):
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield _strip(name), p
+
+    def named_buffers(self, *args, **kwargs):
+        for name, b in super().named_buffers(*args, **kwargs):
+            yield _strip(name), b
+
+    def extra_repr(self) -> str:
+        return ""
+
+
+def _strip_prefix_hook(module, state_dict, prefix, local_metadata):
+    for key in list(state_dict.keys()):
+        if _PREFIX_DOT in key:
+            state_dict[_strip(key)] = state_dict.pop(key)
+    return state_dict
+
+
+def _add_prefix_hook(state_dict, prefix, local_metadata, strict, missing_keys,
+                     unexpected_keys, error_msgs):
+    for key in list(state_dict.keys()):
+        if key.startswith(prefix) and not key.startswith(prefix + _PREFIX_DOT):
+            state_dict[prefix + _PREFIX_DOT + key[len(prefix):]] = state_dict.pop(key)
+
+
+class SwapWrapper(ActivationWrapper):
+    """Every call of the wrapped module is a :func:`swap` call (see :func:`swap_wrapper`)."""
+
+    def __init__(self, module: nn.Module, policy_fn=None, group_swap: bool = False) -> None:
+        super().__init__(module)
+        self._hp_policy_fn = policy_fn
+        self._hp_group_swap = group_swap
+
+    def forward(self, *args, **kwargs):
+        inner = self._checkpoint_wrapped_module
+        if in_backward() or not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return swap(LayerCall(self, inner, inner), *args, policy_fn=self._hp_policy_fn,
+                    group_swap=self._hp_group_swap, **kwargs)
+
+
+def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False):
+    """Wraps a module or callable so that every call runs under :func:`swap`.
+
+    Args:
+        module_or_fn: ``nn.Module`` (returns a transparent wrapper module) or a callable
+            (returns a function with the same signature).
+        policy_fn: per-tensor policy, as in :func:`swap`.
+        group_swap: fuse small tensors into few copies, as in :func:`swap`.
+
+    Returns:
+        The wrapper.
+
+    Raises:
+        ValueError: when ``module_or_fn`` is already wrapped by hyper_parallel.
+        TypeError: when it is neither a module nor callable.
+    """
+    if isinstance(module_or_fn, nn.Module):
+        return SwapWrapper(module_or_fn, policy_fn=policy_fn, group_swap=group_swap)
+    if not callable(module_or_fn):
+        raise TypeError(f"hyper_parallel: swap_wrapper expects an nn.Module or a callable, "
+                        f"got {type(module_or_fn).__name__}")
+    _refuse_double_wrap(module_or_fn)
+
+    @functools.wraps(module_or_fn)
+    def wrapped(*args, **kwargs):
+        return swap(wrapped_target, *args, policy_fn=policy_fn, group_swap=group_swap, **kwargs)
+
+    wrapped_target = LayerCall(wrapped, module_or_fn)
+    wrapped._hp_wrapped_fn = module_or_fn
+    return wrapped
+
+
+def _refuse_double_wrap(fn) -> None:
+    if getattr(fn, "_hp_wrapped_fn", None) is not None:
+        raise ValueError("hyper_parallel: this function is already wrapped by "
+                         "checkpoint_wrapper or swap_wrapper; wrap the original function once.")

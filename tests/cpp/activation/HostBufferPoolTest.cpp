@@ -1,0 +1,83 @@
+#include "hyper_parallel/activation/HostBufferPool.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+
+namespace hyper_parallel::activation {
+namespace {
+
+// An event the test completes by hand.
+class ManualEvent final : public CopyEvent {
+ public:
+  bool query() const override { return done.load(); }
+  double synchronize() const override { return 0.0; }
+  double block_compute(c10::Device) const override { return 0.0; }
+  std::atomic<bool> done{false};
+};
+
+TEST(HostBufferPoolTest, SizeClasses) {
+  EXPECT_EQ(HostBufferPool::size_class(1), 4096u);
+  EXPECT_EQ(HostBufferPool::size_class(4096), 4096u);
+  EXPECT_EQ(HostBufferPool::size_class(4097), 8192u);
+  EXPECT_EQ(HostBufferPool::size_class(size_t{1} << 20), size_t{1} << 20);
+  // Above 1 MiB: four classes per power of two.
+  EXPECT_EQ(HostBufferPool::size_class((size_t{1} << 20) + 1), (size_t{1} << 20) + (size_t{1} << 18));
+  EXPECT_EQ(HostBufferPool::size_class(size_t{3} << 20), size_t{3} << 20);
+  for (size_t n : {size_t{5000}, size_t{3} << 20, (size_t{7} << 22) + 3}) {
+    const size_t c = HostBufferPool::size_class(n);
+    EXPECT_GE(c, n);
+    EXPECT_LE(static_cast<double>(c), 1.25 * static_cast<double>(n) + 4096);
+  }
+}
+
+TEST(HostBufferPoolTest, ReusesBlocksWithoutNewAllocations) {
+  auto pool = HostBufferPool::create(/*pinned=*/false);
+  for (int step = 0; step < 50; ++step) {
+    auto a = pool->acquire(10000);
+    auto b = pool->acquire(3 << 20);
+    EXPECT_GE(a->buffer().numel(), 10000);
+    EXPECT_EQ(a->buffer().scalar_type(), at::kByte);
+    EXPECT_TRUE(a->buffer().is_cpu());
+  }
+  const auto s = pool->stats();
+  EXPECT_EQ(s.allocations, 2);  // warm-up only
+  EXPECT_EQ(s.reuses, 98);
+  EXPECT_EQ(s.bytes_in_use, 0);
+  EXPECT_EQ(s.bytes_cached,
+            static_cast<int64_t>(HostBufferPool::size_class(10000) + HostBufferPool::size_class(3 << 20)));
+}
+
+TEST(HostBufferPoolTest, BlockIsNotReusedBeforeItsLastCopyCompletes) {
+  auto pool = HostBufferPool::create(false);
+  auto event = std::make_shared<ManualEvent>();
+  void* first = nullptr;
+  {
+    auto block = pool->acquire(8192);
+    first = block->buffer().data_ptr();
+    block->set_last_use(event);
+  }
+  EXPECT_EQ(pool->stats().bytes_pending, 8192);
+  auto second = pool->acquire(8192);  // must not get the pending block
+  EXPECT_NE(second->buffer().data_ptr(), first);
+  EXPECT_EQ(pool->stats().allocations, 2);
+  event->done = true;
+  auto third = pool->acquire(8192);  // now the first block is free again
+  EXPECT_EQ(third->buffer().data_ptr(), first);
+  EXPECT_EQ(pool->stats().bytes_pending, 0);
+}
+
+TEST(HostBufferPoolTest, CacheIsBounded) {
+  auto pool = HostBufferPool::create(false, /*max_cached_bytes=*/16384);
+  {
+    auto a = pool->acquire(8192);
+    auto b = pool->acquire(8192);
+    auto c = pool->acquire(8192);
+  }
+  EXPECT_LE(pool->stats().bytes_cached, 16384);
+  pool->empty_cache();
+  EXPECT_EQ(pool->stats().bytes_cached, 0);
+}
+
+}  // namespace
+}  // namespace hyper_parallel::activation
