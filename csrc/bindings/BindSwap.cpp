@@ -108,8 +108,25 @@ void bind_swap(py::module_& m) {
         for (const auto& r : g.records()) n += r->nbytes();
         return n;
       })
-      .def("exclude", [](SwapGroup& g, const std::vector<at::Tensor>& tensors) {
-        for (const auto& t : tensors) {
+      .def_property_readonly("storage_nbytes", [](const SwapGroup& g) {
+        // Current bytes of each record's storage (0 while offloaded; -1 once it died).
+        std::vector<int64_t> out;
+        for (const auto& r : g.records()) {
+          c10::Storage s = r->storage();
+          out.push_back(s ? static_cast<int64_t>(s.nbytes()) : -1);
+        }
+        return out;
+      })
+      .def_property_readonly("residencies", [](const SwapGroup& g) {
+        std::vector<std::string> out;
+        for (const auto& r : g.records()) out.emplace_back(to_string(r->state()));
+        return out;
+      })
+      .def("exclude", [](SwapGroup& g, const py::iterable& tensors) {
+        for (const auto& obj : tensors) {
+          if (!THPVariable_Check(obj.ptr())) continue;
+          // A DTensor parameter's data is its local tensor's storage.
+          at::Tensor t = is_dtensor(obj) ? dtensor_local(obj) : THPVariable_Unpack(obj.ptr());
           if (t.defined() && t.has_storage()) g.excluded.insert(t.storage().unsafeGetStorageImpl());
         }
       }, py::arg("tensors"), "Never swap the storages of these tensors in this invocation.");

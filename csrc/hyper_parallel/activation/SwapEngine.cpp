@@ -373,6 +373,7 @@ void SwapEngine::offload_batch_locked(const std::vector<std::shared_ptr<StorageR
     if (bucket) bucket->push_back(r);
     offset += r->nbytes();
   }
+  counters_->transfers += fused ? 1 : static_cast<int64_t>(records.size());
   counters_->offload_bytes += static_cast<int64_t>(total);
   counters_->offload_count += static_cast<int64_t>(records.size());
   if (fused) counters_->fused_copies += 1;
@@ -419,6 +420,7 @@ void SwapEngine::reload_locked(const std::shared_ptr<StorageRecord>& record) {
     members[i]->transition(Residency::kReloading);
     members[i]->h2d_done = done;
   }
+  counters_->transfers += plan.fused ? 1 : static_cast<int64_t>(members.size());
   counters_->reload_bytes += static_cast<int64_t>(total);
   counters_->reload_count += static_cast<int64_t>(members.size());
   if (plan.fused) counters_->fused_copies += 1;
@@ -507,6 +509,7 @@ SwapStats SwapEngine::stats() {
   s.resident_bytes = counters_->resident_bytes.load();
   s.peak_resident_bytes = counters_->peak_resident_bytes.load();
   s.fused_copies = counters_->fused_copies.load();
+  s.transfers = counters_->transfers.load();
   s.on_demand_reloads = counters_->on_demand_reloads.load();
   s.deferred_frees = counters_->deferred_frees.load();
   s.stall_seconds = static_cast<double>(counters_->stall_nanoseconds.load()) * 1e-9;
@@ -520,8 +523,6 @@ SwapStats SwapEngine::stats() {
     s.host_allocations += ps.allocations;
     s.host_reuses += ps.reuses;
   }
-  if (thread_engine_) s.transfers += thread_engine_->transfers_issued();
-  if (accel_engine_) s.transfers += accel_engine_->transfers_issued();
   s.live_records = static_cast<int64_t>(registry_.live_records());
   return s;
 }

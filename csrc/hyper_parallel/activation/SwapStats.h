@@ -15,6 +15,7 @@ struct SwapStatsCounters {
   std::atomic<int64_t> resident_bytes{0};       // managed (swappable) bytes on device now
   std::atomic<int64_t> peak_resident_bytes{0};
   std::atomic<int64_t> fused_copies{0};         // host<->device copies that carried a bucket
+  std::atomic<int64_t> transfers{0};            // host<->device copy operations issued
   std::atomic<int64_t> on_demand_reloads{0};    // reloads started by unpack (schedule hole)
   std::atomic<int64_t> stall_nanoseconds{0};    // host time spent waiting for a reload
   std::atomic<int64_t> deferred_frees{0};       // release attempts postponed: storage in use
@@ -27,6 +28,7 @@ struct SwapStatsCounters {
   }
   void reset() {
     for (auto* c : {&offload_bytes, &offload_count, &reload_bytes, &reload_count, &fused_copies,
+                    &transfers,
                     &on_demand_reloads, &stall_nanoseconds, &deferred_frees}) {
       c->store(0);
     }

@@ -84,7 +84,7 @@ class Region:
             warnings.warn(
                 f"hyper_parallel: swap region '{self._name}' is not part of a prefetch "
                 "schedule, so its activations are offloaded at the end of its forward and "
-                "reloaded on demand in backward, without overlap. Register the layer order "
+                "reloaded only when its own backward starts, without overlap. Register the layer order "
                 "with SwapManager().set_forward_prefetch_layer(prev_layer, next_layer).",
                 stacklevel=3,
             )

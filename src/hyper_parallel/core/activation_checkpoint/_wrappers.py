@@ -51,6 +51,17 @@ class ActivationWrapper(nn.Module):
         except AttributeError:
             return getattr(self._modules[_PREFIX], name)
 
+    def __setattr__(self, name, value):
+        # Plain attributes that the wrapped module already has are set on it, so that
+        # `wrapper.flag = v` behaves as on the unwrapped module.
+        inner = self.__dict__.get("_modules", {}).get(_PREFIX)
+        if (inner is not None and not name.startswith("_") and name not in self.__dict__
+                and not isinstance(value, (nn.Module, nn.Parameter, torch.Tensor))
+                and hasattr(inner, name)):
+            setattr(inner, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def __getitem__(self, idx):
         return self._checkpoint_wrapped_module[idx]
 

@@ -1,0 +1,48 @@
+"""Small models shared by the activation_checkpoint tests."""
+
+import copy
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    """A transformer-like block: pre-norm MLP with a residual connection and a buffer."""
+
+    def __init__(self, d: int = 32, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(dropout)
+        self.register_buffer("scale", torch.full((d,), 0.5))
+
+    def forward(self, x):
+        h = self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+        return x + self.drop(h) * self.scale
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int = 4, d: int = 32, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(d, dropout) for _ in range(layers))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).sum()
+
+
+def twin(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+def grads(model: nn.Module):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def assert_bitwise(a_list, b_list):
+    assert len(a_list) == len(b_list)
+    for a, b in zip(a_list, b_list):
+        assert torch.equal(a, b), (a - b).abs().max()

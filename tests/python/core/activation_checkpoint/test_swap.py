@@ -1,0 +1,544 @@
+"""swap / swap_wrapper / SwapManager schedule on the CPU swap backend (SPEC 2-4)."""
+
+import copy
+import gc
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from hyper_parallel._extension import _C
+from hyper_parallel.core.activation_checkpoint import (
+    CheckpointPolicy,
+    SwapManager,
+    saved_activation_memory,
+    swap,
+    swap_wrapper,
+)
+
+from ._models import Stack, assert_bitwise, grads, twin
+
+# Several tests swap a single unscheduled region on purpose.
+pytestmark = pytest.mark.filterwarnings("ignore:hyper_parallel. swap region:UserWarning")
+
+
+def wrap_chain(model, **kwargs):
+    layers = model.layers
+    for i in range(len(layers)):
+        layers[i] = swap_wrapper(layers[i], **kwargs)
+    for i in range(len(layers) - 1):
+        SwapManager().set_forward_prefetch_layer(layers[i], layers[i + 1])
+    return model
+
+
+def capture_groups(model):
+    """Forward hooks on each wrapped block's first Linear record the running swap group."""
+    groups = []
+    for layer in model.layers:
+        layer.fc1.register_forward_hook(lambda *a: groups.append(_C.current_group()))
+    return groups
+
+
+def test_chain_frees_all_but_last_layer_and_is_bitwise_equal(cpu_swap):
+    ref = Stack(layers=4)
+    model = wrap_chain(twin(ref))
+    groups = capture_groups(model)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(4, 8, 32)
+        groups.clear()
+        loss = model(x)
+        cpu_swap.synchronize()
+        # End of forward: every swapped layer but the last released its saved storages.
+        # The model input `x` is still referenced by this test, so it stays resident.
+        first = [n for n in groups[0].storage_nbytes if n >= 0]
+        assert sorted(first)[-1] == x.untyped_storage().nbytes() and sum(first) == x.nbytes
+        for g in groups[1:-1]:
+            sizes = [n for n in g.storage_nbytes if n >= 0]
+            assert sizes and all(n == 0 for n in sizes), sizes
+            assert set(g.residencies) <= {"offloading", "host"}
+        assert all(n > 0 for n in groups[-1].storage_nbytes)
+        loss_ref = ref(x)
+        assert torch.equal(loss, loss_ref)
+        loss.backward()
+        loss_ref.backward()
+        assert_bitwise(grads(model), grads(ref))
+        opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
+    assert_bitwise(list(model.parameters()), list(ref.parameters()))
+    stats = SwapManager().stats()
+    assert stats["offload_bytes"] > 0
+    assert stats["reload_bytes"] == stats["offload_bytes"]
+    assert stats["on_demand_reloads"] == 0  # the schedule prefetched everything
+
+
+def test_stats_keys_and_reset():
+    keys = {"offload_bytes", "offload_count", "reload_bytes", "reload_count", "resident_bytes",
+            "peak_resident_bytes", "pinned_bytes_in_use", "pinned_bytes_cached", "fused_copies",
+            "stall_seconds", "on_demand_reloads"}
+    assert keys <= set(SwapManager().stats())
+    assert SwapManager() is SwapManager()
+
+
+class ViewsLayer(nn.Module):
+    """Saves several views of one storage: transposed, offset slice, stride-0 expand."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x):
+        base = x @ self.w                      # (6, 6), a fresh storage
+        t = base.t()                           # transposed view
+        s = base[2:, 1:]                       # offset, non-contiguous view
+        e = base[:1, :].expand(6, 6)           # stride-0 view
+        return (t * t).sum() + (s * s.sin()).sum() + (e * e).sum()
+
+
+def test_views_of_one_storage_are_copied_once_and_restored(cpu_swap):
+    torch.manual_seed(1)
+    ref = ViewsLayer()
+    model = twin(ref)
+    x = torch.randn(6, 6, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out = swap(model, x2)  # unscheduled: offloaded at the end of forward, reloaded on demand
+    stats = SwapManager().stats()
+    # Saved: x and w (a leaf and a parameter: never swapped), three views of `base` (one
+    # storage, copied once: 6*6 float32) and sin(s) (4*5 float32).
+    assert stats["offload_count"] == 2
+    assert stats["offload_bytes"] == 6 * 6 * 4 + 4 * 5 * 4
+    out.backward()
+    ref_out = ref(x)
+    ref_out.backward()
+    assert torch.equal(out, ref_out)
+    assert torch.equal(x.grad, x2.grad)
+    assert torch.equal(model.w.grad, ref.w.grad)
+    stats = SwapManager().stats()
+    assert stats["reload_bytes"] == stats["offload_bytes"]
+
+
+class SharedInputLayer(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x, shared):
+        return self.lin(x) * shared + x
+
+
+def test_shared_input_and_long_skip_stay_resident_while_needed(cpu_swap):
+    """A tensor read by every layer (like rotary embeddings) and a skip connection that
+    a later forward op reads must never be freed while forward still needs them."""
+    torch.manual_seed(2)
+    layers = nn.ModuleList(SharedInputLayer() for _ in range(4))
+    ref = copy.deepcopy(layers)
+    for i in range(4):
+        layers[i] = swap_wrapper(layers[i])
+    for i in range(3):
+        SwapManager().set_forward_prefetch_layer(layers[i], layers[i + 1])
+
+    def run(mods, x):
+        shared = torch.sigmoid(x * 0.5)  # activation shared by all layers
+        skip = x * 2                      # read again after the stack
+        h = x
+        for m in mods:
+            h = m(h, shared)
+        return ((h + skip) * shared).sum()
+
+    x = torch.randn(3, 16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    out, out_ref = run(layers, x), run(ref, xr)
+    assert torch.equal(out, out_ref)
+    out.backward()
+    out_ref.backward()
+    assert torch.equal(x.grad, xr.grad)
+    assert_bitwise(grads(layers), grads(ref))
+    assert SwapManager().stats()["deferred_frees"] > 0
+
+
+class IntegerSaves(nn.Module):
+    """Saves int64 indices (gather) and a bool mask (masked_fill/where)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.lin(x)
+        idx = torch.argsort(h, dim=-1)                # int64, saved by gather
+        g = torch.gather(h, -1, idx)
+        mask = h > 0                                  # bool, saved by where
+        return torch.where(mask, g, h * 0.1)
+
+
+def test_integer_and_bool_saved_tensors_round_trip(cpu_swap):
+    torch.manual_seed(3)
+    ref = IntegerSaves()
+    model = twin(ref)
+    x = torch.randn(5, 16)
+    out = swap(model, x)
+    assert SwapManager().stats()["offload_count"] >= 3
+    out.sum().backward()
+    ref(x).sum().backward()
+    assert torch.equal(model.lin.weight.grad, ref.lin.weight.grad)
+
+
+def test_parameters_buffers_and_host_tensors_untouched():
+    # CPU swap off: host tensors are never swapped.
+    model = Stack(layers=2)
+    wrap_chain(model)
+    model(torch.randn(2, 4, 32)).backward()
+    assert SwapManager().stats()["offload_count"] == 0
+
+
+def test_parameters_and_buffers_never_swapped(cpu_swap):
+    model = wrap_chain(Stack(layers=3))
+    loss = model(torch.randn(2, 4, 32))
+    cpu_swap.synchronize()
+    for p in model.parameters():
+        assert p.untyped_storage().nbytes() > 0
+        assert _C.residency(p) is None
+    for b in model.buffers():
+        assert b.untyped_storage().nbytes() > 0
+        assert _C.residency(b) is None
+    loss.backward()
+
+
+def test_two_forwards_before_backward(cpu_swap):
+    ref = Stack(layers=3)
+    model = wrap_chain(twin(ref))
+    x1, x2 = torch.randn(2, 4, 32), torch.randn(2, 4, 32)
+    l1, l2 = model(x1), model(x2)          # two invocations per layer, two chains
+    (l1 + l2).backward()
+    (ref(x1) + ref(x2)).backward()
+    assert_bitwise(grads(model), grads(ref))
+    assert SwapManager().stats()["on_demand_reloads"] == 0
+
+
+def test_gradient_accumulation_order_reversed(cpu_swap):
+    ref = Stack(layers=3)
+    model = wrap_chain(twin(ref))
+    x1, x2 = torch.randn(2, 4, 32), torch.randn(2, 4, 32)
+    l1, l2 = model(x1), model(x2)
+    l2.backward()
+    l1.backward()
+    r1, r2 = ref(x1), ref(x2)
+    r2.backward()
+    r1.backward()
+    assert_bitwise(grads(model), grads(ref))
+
+
+def test_retain_graph_second_backward(cpu_swap):
+    ref = Stack(layers=3)
+    model = wrap_chain(twin(ref))
+    x = torch.randn(2, 4, 32)
+    loss, loss_ref = model(x), ref(x)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    loss_ref.backward(retain_graph=True)
+    loss_ref.backward()
+    assert_bitwise(grads(model), grads(ref))
+
+
+def test_autograd_grad_with_subset_of_inputs(cpu_swap):
+    ref = Stack(layers=3)
+    model = wrap_chain(twin(ref))
+    x = torch.randn(2, 4, 32, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    (gx,) = torch.autograd.grad(model(x), [x])
+    (gr,) = torch.autograd.grad(ref(xr), [xr])
+    assert torch.equal(gx, gr)
+    # Only the first layer's weight: the backward must still reach it through all layers.
+    w = model.layers[0].fc1.weight
+    (gw,) = torch.autograd.grad(model(x), [w])
+    (gwr,) = torch.autograd.grad(ref(xr), [ref.layers[0].fc1.weight])
+    assert torch.equal(gw, gwr)
+
+
+class Boom(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.fail = False
+
+    def forward(self, x):
+        h = torch.relu(self.lin(x))
+        if self.fail:
+            raise RuntimeError("boom")
+        return h
+
+
+def test_exception_in_forward_leaves_nothing_installed(cpu_swap):
+    torch.manual_seed(4)
+    layers = nn.ModuleList(Boom() for _ in range(3))
+    ref = copy.deepcopy(layers)
+    for i in range(3):
+        layers[i] = swap_wrapper(layers[i])
+    for i in range(2):
+        SwapManager().set_forward_prefetch_layer(layers[i], layers[i + 1])
+    layers[1].fail = True
+    x = torch.randn(4, 32)
+    with pytest.raises(RuntimeError, match="boom"):
+        h = x
+        for m in layers:
+            h = m(h)
+    assert _C.current_group() is None
+    # No hook left: a plain op's saved tensor is not packed by us.
+    before = SwapManager().stats()["offload_count"]
+    y = (torch.randn(3, requires_grad=True) * torch.randn(3)).sum()
+    y.backward()
+    gc.collect()
+    layers[1].fail = False
+    h, hr = x, x
+    for m, r in zip(layers, ref):
+        h, hr = m(h), r(hr)
+    h.sum().backward()
+    hr.sum().backward()
+    assert_bitwise(grads(layers), grads(ref))
+    assert SwapManager().stats()["offload_count"] > before
+
+
+class FailingBackward(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if FailingBackward.armed:
+            raise RuntimeError("backward failed")
+        return g
+
+
+def test_backward_failing_half_way_then_next_step(cpu_swap):
+    ref = Stack(layers=3)
+    model = wrap_chain(twin(ref))
+    x = torch.randn(2, 4, 32)
+    FailingBackward.armed = True
+    loss = model(FailingBackward.apply(x.requires_grad_()))
+    with pytest.raises(RuntimeError, match="backward failed"):
+        loss.backward()
+    FailingBackward.armed = False
+    del loss
+    gc.collect()
+    cpu_swap.synchronize()
+    assert SwapManager().stats()["pinned_bytes_in_use"] == 0  # no host block held
+    model.zero_grad()
+    xx = torch.randn(2, 4, 32)
+    model(xx).backward()
+    ref(xx).backward()
+    assert_bitwise(grads(model), grads(ref))
+
+
+def test_deepcopied_model_has_its_own_schedule(cpu_swap):
+    ref = Stack(layers=3)
+    model = wrap_chain(twin(ref))
+    clone = copy.deepcopy(model)
+    ids = [layer.__dict__["_hyper_parallel_layer"].layer_id for layer in model.layers]
+    cids = [layer.__dict__["_hyper_parallel_layer"].layer_id for layer in clone.layers]
+    assert not set(ids) & set(cids)
+    assert all(_C.layer_scheduled(i) for i in cids)
+    groups = capture_groups(clone)
+    x = torch.randn(2, 4, 32)
+    loss = clone(x)
+    cpu_swap.synchronize()
+    assert all(n == 0 for n in groups[1].storage_nbytes if n >= 0)
+    loss.backward()
+    ref(x).backward()
+    assert_bitwise(grads(clone), grads(ref))
+
+
+def test_two_threads_drive_the_manager(cpu_swap):
+    ref = Stack(layers=3)
+    models = [wrap_chain(twin(ref)) for _ in range(2)]
+    refs = [twin(ref) for _ in range(2)]
+    inputs = [torch.randn(2, 4, 32) for _ in range(2)]
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(5):
+                models[i](inputs[i]).backward()
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    for i in range(2):
+        for _ in range(5):
+            refs[i](inputs[i]).backward()
+        assert_bitwise(grads(models[i]), grads(refs[i]))
+
+
+class InPlaceAfterSave(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        y = h.sin()        # saves h
+        h.mul_(2)          # modifies the saved tensor afterwards
+        return y + h
+
+
+def test_in_place_write_after_save_is_detected(cpu_swap):
+    out = swap(InPlaceAfterSave(), torch.randn(3, 8))
+    with pytest.raises(RuntimeError, match="hyper_parallel: .*modified by an in-place"):
+        out.sum().backward()
+
+
+def test_host_pool_steady_state_over_50_steps(cpu_swap):
+    model = wrap_chain(Stack(layers=3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(2, 4, 32)
+    allocations = []
+    for _ in range(50):
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+        cpu_swap.synchronize()
+        allocations.append(SwapManager().stats()["host_allocations"])
+    assert allocations[-1] == allocations[2]  # no new host memory after warm-up
+    assert SwapManager().stats()["host_reuses"] > 0
+    assert SwapManager().stats()["pinned_bytes_in_use"] == 0
+
+
+def test_group_swap_fuses_and_matches(cpu_swap):
+    ref = Stack(layers=3)
+    model = wrap_chain(twin(ref), group_swap=True)
+    x = torch.randn(2, 4, 32)
+    model(x).backward()
+    ref(x).backward()
+    assert_bitwise(grads(model), grads(ref))
+    stats = SwapManager().stats()
+    assert stats["fused_copies"] > 0
+    assert stats["transfers"] < stats["offload_count"] + stats["reload_count"]
+
+
+def test_policy_fn_keeps_small_tensors(cpu_swap):
+    ref = Stack(layers=2)
+    big = 4 * 8 * 32 * 4 * 4  # the fc1 output bytes
+    seen = []
+
+    def policy(t):
+        seen.append(t.numel())
+        return CheckpointPolicy.MUST_SWAP if t.numel() * t.element_size() >= big \
+            else CheckpointPolicy.MUST_SAVE
+
+    model = wrap_chain(twin(ref), policy_fn=policy)
+    x = torch.randn(4, 8, 32)
+    model(x).backward()
+    ref(x).backward()
+    assert_bitwise(grads(model), grads(ref))
+    stats = SwapManager().stats()
+    assert seen and 0 < stats["offload_count"] < len(seen)
+    assert stats["offload_bytes"] % big == 0
+
+
+def test_policy_fn_invalid_value_is_a_clear_error(cpu_swap):
+    model = swap_wrapper(nn.Linear(4, 4), policy_fn=lambda t: CheckpointPolicy.MUST_RECOMPUTE)
+    with pytest.raises(ValueError, match="hyper_parallel: the swap policy_fn returned"):
+        model(torch.randn(2, 4)).sum()
+    assert _C.current_group() is None
+    torch.nn.Linear(2, 2)(torch.randn(1, 2)).sum().backward()  # hooks are gone
+
+
+def test_torch_checkpoint_policy_values_accepted(cpu_swap):
+    from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
+
+    model = swap_wrapper(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)),
+                         policy_fn=lambda t: TorchPolicy.MUST_CPU_OFFLOAD)
+    model(torch.randn(2, 4)).sum().backward()
+    assert SwapManager().stats()["offload_count"] > 0
+
+
+def test_unscheduled_swap_warns_and_reloads_on_demand(cpu_swap):
+    def block(x, w):
+        return torch.tanh(torch.sin(x @ w))
+
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="set_forward_prefetch_layer"):
+        out = swap_wrapper(block)(x, w)
+    out.sum().backward()
+    g = w.grad.clone()
+    w.grad = None
+    block(x, w).sum().backward()
+    assert torch.equal(g, w.grad)
+    stats = SwapManager().stats()
+    assert stats["offload_count"] > 0 and stats["reload_bytes"] == stats["offload_bytes"]
+
+
+class TupleOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.a(x) + 1.0, torch.tanh(self.b(x))
+
+
+class InPlaceConsumer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, pair):
+        h, g = pair
+        h.add_(1)  # modifies the previous layer's output in place
+        return torch.relu(self.lin(h + g))
+
+
+def test_tuple_outputs_and_in_place_on_previous_output_prefetch(cpu_swap):
+    torch.manual_seed(5)
+    first, second, third = TupleOut(), InPlaceConsumer(), nn.Sequential(nn.Linear(16, 16), nn.GELU())
+    refs = copy.deepcopy([first, second, third])
+    a, b, c = swap_wrapper(first), swap_wrapper(second), swap_wrapper(third)
+    SwapManager().set_forward_prefetch_layer(a, b)
+    SwapManager().set_forward_prefetch_layer(b, c)
+    x = torch.randn(4, 16)
+    out = c(b(a(x))).sum()
+    out_ref = refs[2](refs[1](refs[0](x))).sum()
+    assert torch.equal(out, out_ref)
+    out.backward()
+    out_ref.backward()
+    for m, r in zip((first, second, third), refs):
+        assert_bitwise(grads(m), grads(r))
+    assert SwapManager().stats()["on_demand_reloads"] == 0
+
+
+def test_meter_shows_swap_saves_memory(cpu_swap):
+    ref = Stack(layers=4)
+    model = wrap_chain(twin(ref))
+    x = torch.randn(4, 8, 32)
+    with saved_activation_memory() as m_ref:
+        ref(x).backward()
+    with saved_activation_memory() as m_swap:
+        model(x).backward()
+    assert m_ref.peak_bytes > 0
+    assert m_swap.peak_bytes < 0.6 * m_ref.peak_bytes
+
+
+def test_prefetch_depth_validation():
+    with pytest.raises(ValueError, match="hyper_parallel: prefetch depth"):
+        SwapManager().set_prefetch_depth(-1)
+
+
+def test_prefetch_depth_two(cpu_swap):
+    SwapManager().set_prefetch_depth(2)
+    ref = Stack(layers=4)
+    model = wrap_chain(twin(ref))
+    x = torch.randn(2, 4, 32)
+    model(x).backward()
+    ref(x).backward()
+    assert_bitwise(grads(model), grads(ref))
+    assert SwapManager().stats()["on_demand_reloads"] == 0
