@@ -1,6 +1,7 @@
 """Shared fixtures: every test starts from a clean swap engine."""
 
 import gc
+import os
 
 import pytest
 import torch
@@ -22,10 +23,29 @@ def _clean_swap_engine():
     manager.set_cpu_swap(False, delay_ns_per_byte=0.0)
 
 
+def test_device() -> torch.device:
+    """The device the swap tests run on: HP_TEST_DEVICE (default "cpu")."""
+    return torch.device(os.environ.get("HP_TEST_DEVICE", "cpu"))
+
+
 @pytest.fixture
-def cpu_swap():
-    """The CPU swap backend on, with a small per-byte delay that widens race windows."""
+def dev():
+    """Device for swap tests. On "cpu" the CPU swap backend is turned on with a small
+    per-byte delay that widens race windows; on an accelerator ("cuda") the real stream
+    backend runs. Set HP_TEST_DEVICE=cuda on a GPU machine to run the same suite there."""
     from hyper_parallel.core.activation_checkpoint import SwapManager
 
-    SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.05)
+    device = test_device()
+    if device.type == "cpu":
+        SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.05)
+    elif not getattr(torch, device.type).is_available():
+        pytest.skip(f"HP_TEST_DEVICE={device} but no such device is available")
+    return device
+
+
+@pytest.fixture
+def cpu_swap(dev):
+    """SwapManager with swapping enabled on the test device (see ``dev``)."""
+    from hyper_parallel.core.activation_checkpoint import SwapManager
+
     return SwapManager()

@@ -127,6 +127,7 @@ std::shared_ptr<SwapGroup> SwapEngine::begin_forward(int64_t layer, const std::s
     group = std::make_shared<SwapGroup>(next_group_id_++, layer, name, manual, group_swap);
     schedule_.on_begin(group);
     if (!name.empty()) named_[name] = group;
+    if (manual) manual_[name] = group;
   }
   t_current.emplace_back(this, group);
   return group;
@@ -193,6 +194,7 @@ std::shared_ptr<SwapGroup> SwapEngine::find_group(const std::string& name) const
 void SwapEngine::name_group(const std::shared_ptr<SwapGroup>& group) {
   std::lock_guard<std::mutex> lock(mu_);
   named_[group->name()] = group;
+  if (group->manual()) manual_[group->name()] = group;
 }
 
 // ---------------------------------------------------------------- saved tensors
@@ -380,33 +382,39 @@ void SwapEngine::offload_batch_locked(const std::vector<std::shared_ptr<StorageR
 }
 
 void SwapEngine::reload_locked(const std::shared_ptr<StorageRecord>& record) {
-  // Fused buckets come back together: one H2D copy for the bucket.
+  // Fused buckets come back together: one H2D copy for the bucket. A storage that died
+  // while offloaded (every tensor on it was dropped) has no reader left and is skipped;
+  // the strong reference taken here keeps the others alive until they are refilled.
   std::vector<std::shared_ptr<StorageRecord>> members;
+  std::vector<c10::Storage> storages;
+  auto add_member = [&](std::shared_ptr<StorageRecord> m) {
+    c10::Storage storage = m->storage();
+    if (!storage) return;
+    members.push_back(std::move(m));
+    storages.push_back(std::move(storage));
+  };
   if (record->bucket) {
     for (const auto& weak : *record->bucket) {
       auto m = weak.lock();
       if (m && (m->state() == Residency::kOffloading || m->state() == Residency::kHost)) {
-        members.push_back(std::move(m));
+        add_member(std::move(m));
       }
     }
   } else {
-    members.push_back(record);
+    add_member(record);
   }
+  if (members.empty()) return;
   const bool complete_bucket = record->bucket && members.size() == record->bucket->size();
   const c10::Device device = record->device();
   CopyEngine& engine = engine_for(device);
-  std::vector<c10::Storage> storages;
   CopyPlan plan;
   plan.host = record->host->buffer();
   plan.fused = complete_bucket && members.size() > 1;
   size_t total = 0;
-  for (const auto& m : members) {
-    c10::Storage storage = m->storage();
-    HP_INTERNAL_ASSERT(storage, "reloading a storage that no longer exists");
-    refill_in_place(storage, m->nbytes(), device);
-    plan.items.push_back(CopyItem{byte_view(storage), m->host_offset});
-    storages.push_back(std::move(storage));
-    total += m->nbytes();
+  for (size_t i = 0; i < members.size(); ++i) {
+    refill_in_place(storages[i], members[i]->nbytes(), device);
+    plan.items.push_back(CopyItem{byte_view(storages[i]), members[i]->host_offset});
+    total += members[i]->nbytes();
   }
   CopyEventPtr done = engine.submit(CopyDirection::kHostToDevice, device, plan,
                                     {record->d2h_done});
@@ -534,6 +542,7 @@ void SwapEngine::reset(bool schedule) {
   if (schedule) {
     schedule_.clear();
     named_.clear();
+    manual_.clear();
   }
 }
 

@@ -134,6 +134,9 @@ class SwapEngine {
   AliasRegistry registry_;
   Schedule schedule_;
   std::unordered_map<std::string, std::weak_ptr<SwapGroup>> named_;
+  // Manual groups (group_context) are driven by the user by name, so the engine keeps the
+  // latest one of each name alive until it is replaced or reset() is called.
+  std::unordered_map<std::string, std::shared_ptr<SwapGroup>> manual_;
   std::vector<std::weak_ptr<StorageRecord>> deferred_;
   int64_t next_group_id_ = 0;
   std::unique_ptr<ThreadCopyEngine> thread_engine_;

@@ -40,14 +40,14 @@ def capture_groups(model):
     return groups
 
 
-def test_chain_frees_all_but_last_layer_and_is_bitwise_equal(cpu_swap):
-    ref = Stack(layers=4)
+def test_chain_frees_all_but_last_layer_and_is_bitwise_equal(cpu_swap, dev):
+    ref = Stack(layers=4).to(dev)
     model = wrap_chain(twin(ref))
     groups = capture_groups(model)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
-        x = torch.randn(4, 8, 32)
+        x = torch.randn(4, 8, 32, device=dev)
         groups.clear()
         loss = model(x)
         cpu_swap.synchronize()
@@ -96,11 +96,11 @@ class ViewsLayer(nn.Module):
         return (t * t).sum() + (s * s.sin()).sum() + (e * e).sum()
 
 
-def test_views_of_one_storage_are_copied_once_and_restored(cpu_swap):
+def test_views_of_one_storage_are_copied_once_and_restored(cpu_swap, dev):
     torch.manual_seed(1)
-    ref = ViewsLayer()
+    ref = ViewsLayer().to(dev)
     model = twin(ref)
-    x = torch.randn(6, 6, requires_grad=True)
+    x = torch.randn(6, 6, requires_grad=True, device=dev)
     x2 = x.detach().clone().requires_grad_()
     out = swap(model, x2)  # unscheduled: offloaded at the end of forward, reloaded on demand
     stats = SwapManager().stats()
@@ -127,11 +127,11 @@ class SharedInputLayer(nn.Module):
         return self.lin(x) * shared + x
 
 
-def test_shared_input_and_long_skip_stay_resident_while_needed(cpu_swap):
+def test_shared_input_and_long_skip_stay_resident_while_needed(cpu_swap, dev):
     """A tensor read by every layer (like rotary embeddings) and a skip connection that
     a later forward op reads must never be freed while forward still needs them."""
     torch.manual_seed(2)
-    layers = nn.ModuleList(SharedInputLayer() for _ in range(4))
+    layers = nn.ModuleList(SharedInputLayer() for _ in range(4)).to(dev)
     ref = copy.deepcopy(layers)
     for i in range(4):
         layers[i] = swap_wrapper(layers[i])
@@ -146,7 +146,7 @@ def test_shared_input_and_long_skip_stay_resident_while_needed(cpu_swap):
             h = m(h, shared)
         return ((h + skip) * shared).sum()
 
-    x = torch.randn(3, 16, requires_grad=True)
+    x = torch.randn(3, 16, requires_grad=True, device=dev)
     xr = x.detach().clone().requires_grad_()
     out, out_ref = run(layers, x), run(ref, xr)
     assert torch.equal(out, out_ref)
@@ -172,11 +172,11 @@ class IntegerSaves(nn.Module):
         return torch.where(mask, g, h * 0.1)
 
 
-def test_integer_and_bool_saved_tensors_round_trip(cpu_swap):
+def test_integer_and_bool_saved_tensors_round_trip(cpu_swap, dev):
     torch.manual_seed(3)
-    ref = IntegerSaves()
+    ref = IntegerSaves().to(dev)
     model = twin(ref)
-    x = torch.randn(5, 16)
+    x = torch.randn(5, 16, device=dev)
     out = swap(model, x)
     assert SwapManager().stats()["offload_count"] >= 3
     out.sum().backward()
@@ -192,9 +192,9 @@ def test_parameters_buffers_and_host_tensors_untouched():
     assert SwapManager().stats()["offload_count"] == 0
 
 
-def test_parameters_and_buffers_never_swapped(cpu_swap):
-    model = wrap_chain(Stack(layers=3))
-    loss = model(torch.randn(2, 4, 32))
+def test_parameters_and_buffers_never_swapped(cpu_swap, dev):
+    model = wrap_chain(Stack(layers=3).to(dev))
+    loss = model(torch.randn(2, 4, 32, device=dev))
     cpu_swap.synchronize()
     for p in model.parameters():
         assert p.untyped_storage().nbytes() > 0
@@ -205,10 +205,10 @@ def test_parameters_and_buffers_never_swapped(cpu_swap):
     loss.backward()
 
 
-def test_two_forwards_before_backward(cpu_swap):
-    ref = Stack(layers=3)
+def test_two_forwards_before_backward(cpu_swap, dev):
+    ref = Stack(layers=3).to(dev)
     model = wrap_chain(twin(ref))
-    x1, x2 = torch.randn(2, 4, 32), torch.randn(2, 4, 32)
+    x1, x2 = torch.randn(2, 4, 32, device=dev), torch.randn(2, 4, 32, device=dev)
     l1, l2 = model(x1), model(x2)          # two invocations per layer, two chains
     (l1 + l2).backward()
     (ref(x1) + ref(x2)).backward()
@@ -216,10 +216,10 @@ def test_two_forwards_before_backward(cpu_swap):
     assert SwapManager().stats()["on_demand_reloads"] == 0
 
 
-def test_gradient_accumulation_order_reversed(cpu_swap):
-    ref = Stack(layers=3)
+def test_gradient_accumulation_order_reversed(cpu_swap, dev):
+    ref = Stack(layers=3).to(dev)
     model = wrap_chain(twin(ref))
-    x1, x2 = torch.randn(2, 4, 32), torch.randn(2, 4, 32)
+    x1, x2 = torch.randn(2, 4, 32, device=dev), torch.randn(2, 4, 32, device=dev)
     l1, l2 = model(x1), model(x2)
     l2.backward()
     l1.backward()
@@ -229,10 +229,10 @@ def test_gradient_accumulation_order_reversed(cpu_swap):
     assert_bitwise(grads(model), grads(ref))
 
 
-def test_retain_graph_second_backward(cpu_swap):
-    ref = Stack(layers=3)
+def test_retain_graph_second_backward(cpu_swap, dev):
+    ref = Stack(layers=3).to(dev)
     model = wrap_chain(twin(ref))
-    x = torch.randn(2, 4, 32)
+    x = torch.randn(2, 4, 32, device=dev)
     loss, loss_ref = model(x), ref(x)
     loss.backward(retain_graph=True)
     loss.backward()
@@ -241,10 +241,10 @@ def test_retain_graph_second_backward(cpu_swap):
     assert_bitwise(grads(model), grads(ref))
 
 
-def test_autograd_grad_with_subset_of_inputs(cpu_swap):
-    ref = Stack(layers=3)
+def test_autograd_grad_with_subset_of_inputs(cpu_swap, dev):
+    ref = Stack(layers=3).to(dev)
     model = wrap_chain(twin(ref))
-    x = torch.randn(2, 4, 32, requires_grad=True)
+    x = torch.randn(2, 4, 32, requires_grad=True, device=dev)
     xr = x.detach().clone().requires_grad_()
     (gx,) = torch.autograd.grad(model(x), [x])
     (gr,) = torch.autograd.grad(ref(xr), [xr])
@@ -269,16 +269,16 @@ class Boom(nn.Module):
         return h
 
 
-def test_exception_in_forward_leaves_nothing_installed(cpu_swap):
+def test_exception_in_forward_leaves_nothing_installed(cpu_swap, dev):
     torch.manual_seed(4)
-    layers = nn.ModuleList(Boom() for _ in range(3))
+    layers = nn.ModuleList(Boom() for _ in range(3)).to(dev)
     ref = copy.deepcopy(layers)
     for i in range(3):
         layers[i] = swap_wrapper(layers[i])
     for i in range(2):
         SwapManager().set_forward_prefetch_layer(layers[i], layers[i + 1])
     layers[1].fail = True
-    x = torch.randn(4, 32)
+    x = torch.randn(4, 32, device=dev)
     with pytest.raises(RuntimeError, match="boom"):
         h = x
         for m in layers:
@@ -286,7 +286,7 @@ def test_exception_in_forward_leaves_nothing_installed(cpu_swap):
     assert _C.current_group() is None
     # No hook left: a plain op's saved tensor is not packed by us.
     before = SwapManager().stats()["offload_count"]
-    y = (torch.randn(3, requires_grad=True) * torch.randn(3)).sum()
+    y = (torch.randn(3, requires_grad=True, device=dev) * torch.randn(3, device=dev)).sum()
     y.backward()
     gc.collect()
     layers[1].fail = False
@@ -313,10 +313,10 @@ class FailingBackward(torch.autograd.Function):
         return g
 
 
-def test_backward_failing_half_way_then_next_step(cpu_swap):
-    ref = Stack(layers=3)
+def test_backward_failing_half_way_then_next_step(cpu_swap, dev):
+    ref = Stack(layers=3).to(dev)
     model = wrap_chain(twin(ref))
-    x = torch.randn(2, 4, 32)
+    x = torch.randn(2, 4, 32, device=dev)
     FailingBackward.armed = True
     loss = model(FailingBackward.apply(x.requires_grad_()))
     with pytest.raises(RuntimeError, match="backward failed"):
@@ -327,14 +327,14 @@ def test_backward_failing_half_way_then_next_step(cpu_swap):
     cpu_swap.synchronize()
     assert SwapManager().stats()["pinned_bytes_in_use"] == 0  # no host block held
     model.zero_grad()
-    xx = torch.randn(2, 4, 32)
+    xx = torch.randn(2, 4, 32, device=dev)
     model(xx).backward()
     ref(xx).backward()
     assert_bitwise(grads(model), grads(ref))
 
 
-def test_deepcopied_model_has_its_own_schedule(cpu_swap):
-    ref = Stack(layers=3)
+def test_deepcopied_model_has_its_own_schedule(cpu_swap, dev):
+    ref = Stack(layers=3).to(dev)
     model = wrap_chain(twin(ref))
     clone = copy.deepcopy(model)
     ids = [layer.__dict__["_hyper_parallel_layer"].layer_id for layer in model.layers]
@@ -342,7 +342,7 @@ def test_deepcopied_model_has_its_own_schedule(cpu_swap):
     assert not set(ids) & set(cids)
     assert all(_C.layer_scheduled(i) for i in cids)
     groups = capture_groups(clone)
-    x = torch.randn(2, 4, 32)
+    x = torch.randn(2, 4, 32, device=dev)
     loss = clone(x)
     cpu_swap.synchronize()
     assert all(n == 0 for n in groups[1].storage_nbytes if n >= 0)
@@ -351,11 +351,11 @@ def test_deepcopied_model_has_its_own_schedule(cpu_swap):
     assert_bitwise(grads(clone), grads(ref))
 
 
-def test_two_threads_drive_the_manager(cpu_swap):
-    ref = Stack(layers=3)
+def test_two_threads_drive_the_manager(cpu_swap, dev):
+    ref = Stack(layers=3).to(dev)
     models = [wrap_chain(twin(ref)) for _ in range(2)]
     refs = [twin(ref) for _ in range(2)]
-    inputs = [torch.randn(2, 4, 32) for _ in range(2)]
+    inputs = [torch.randn(2, 4, 32, device=dev) for _ in range(2)]
     errors = []
 
     def work(i):
@@ -389,16 +389,16 @@ class InPlaceAfterSave(nn.Module):
         return y + h
 
 
-def test_in_place_write_after_save_is_detected(cpu_swap):
-    out = swap(InPlaceAfterSave(), torch.randn(3, 8))
+def test_in_place_write_after_save_is_detected(cpu_swap, dev):
+    out = swap(InPlaceAfterSave().to(dev), torch.randn(3, 8, device=dev))
     with pytest.raises(RuntimeError, match="hyper_parallel: .*modified by an in-place"):
         out.sum().backward()
 
 
-def test_host_pool_steady_state_over_50_steps(cpu_swap):
-    model = wrap_chain(Stack(layers=3))
+def test_host_pool_steady_state_over_50_steps(cpu_swap, dev):
+    model = wrap_chain(Stack(layers=3).to(dev))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(2, 4, 32)
+    x = torch.randn(2, 4, 32, device=dev)
     allocations = []
     for _ in range(50):
         model(x).backward()
@@ -411,10 +411,10 @@ def test_host_pool_steady_state_over_50_steps(cpu_swap):
     assert SwapManager().stats()["pinned_bytes_in_use"] == 0
 
 
-def test_group_swap_fuses_and_matches(cpu_swap):
-    ref = Stack(layers=3)
+def test_group_swap_fuses_and_matches(cpu_swap, dev):
+    ref = Stack(layers=3).to(dev)
     model = wrap_chain(twin(ref), group_swap=True)
-    x = torch.randn(2, 4, 32)
+    x = torch.randn(2, 4, 32, device=dev)
     model(x).backward()
     ref(x).backward()
     assert_bitwise(grads(model), grads(ref))
@@ -423,8 +423,8 @@ def test_group_swap_fuses_and_matches(cpu_swap):
     assert stats["transfers"] < stats["offload_count"] + stats["reload_count"]
 
 
-def test_policy_fn_keeps_small_tensors(cpu_swap):
-    ref = Stack(layers=2)
+def test_policy_fn_keeps_small_tensors(cpu_swap, dev):
+    ref = Stack(layers=2).to(dev)
     big = 4 * 8 * 32 * 4 * 4  # the fc1 output bytes
     seen = []
 
@@ -434,7 +434,7 @@ def test_policy_fn_keeps_small_tensors(cpu_swap):
             else CheckpointPolicy.MUST_SAVE
 
     model = wrap_chain(twin(ref), policy_fn=policy)
-    x = torch.randn(4, 8, 32)
+    x = torch.randn(4, 8, 32, device=dev)
     model(x).backward()
     ref(x).backward()
     assert_bitwise(grads(model), grads(ref))
@@ -443,29 +443,29 @@ def test_policy_fn_keeps_small_tensors(cpu_swap):
     assert stats["offload_bytes"] % big == 0
 
 
-def test_policy_fn_invalid_value_is_a_clear_error(cpu_swap):
-    model = swap_wrapper(nn.Linear(4, 4), policy_fn=lambda t: CheckpointPolicy.MUST_RECOMPUTE)
+def test_policy_fn_invalid_value_is_a_clear_error(cpu_swap, dev):
+    model = swap_wrapper(nn.Linear(4, 4).to(dev), policy_fn=lambda t: CheckpointPolicy.MUST_RECOMPUTE)
     with pytest.raises(ValueError, match="hyper_parallel: the swap policy_fn returned"):
-        model(torch.randn(2, 4)).sum()
+        model(torch.randn(2, 4, device=dev)).sum()
     assert _C.current_group() is None
-    torch.nn.Linear(2, 2)(torch.randn(1, 2)).sum().backward()  # hooks are gone
+    torch.nn.Linear(2, 2).to(dev)(torch.randn(1, 2, device=dev)).sum().backward()  # hooks are gone
 
 
-def test_torch_checkpoint_policy_values_accepted(cpu_swap):
+def test_torch_checkpoint_policy_values_accepted(cpu_swap, dev):
     from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
-    model = swap_wrapper(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)),
+    model = swap_wrapper(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).to(dev),
                          policy_fn=lambda t: TorchPolicy.MUST_CPU_OFFLOAD)
-    model(torch.randn(2, 4)).sum().backward()
+    model(torch.randn(2, 4, device=dev)).sum().backward()
     assert SwapManager().stats()["offload_count"] > 0
 
 
-def test_unscheduled_swap_warns_and_reloads_on_demand(cpu_swap):
+def test_unscheduled_swap_warns_and_reloads_on_demand(cpu_swap, dev):
     def block(x, w):
         return torch.tanh(torch.sin(x @ w))
 
-    w = torch.randn(8, 8, requires_grad=True)
-    x = torch.randn(4, 8)
+    w = torch.randn(8, 8, requires_grad=True, device=dev)
+    x = torch.randn(4, 8, device=dev)
     with pytest.warns(UserWarning, match="set_forward_prefetch_layer"):
         out = swap_wrapper(block)(x, w)
     out.sum().backward()
@@ -498,14 +498,15 @@ class InPlaceConsumer(nn.Module):
         return torch.relu(self.lin(h + g))
 
 
-def test_tuple_outputs_and_in_place_on_previous_output_prefetch(cpu_swap):
+def test_tuple_outputs_and_in_place_on_previous_output_prefetch(cpu_swap, dev):
     torch.manual_seed(5)
-    first, second, third = TupleOut(), InPlaceConsumer(), nn.Sequential(nn.Linear(16, 16), nn.GELU())
+    first, second, third = (TupleOut().to(dev), InPlaceConsumer().to(dev),
+                             nn.Sequential(nn.Linear(16, 16), nn.GELU()).to(dev))
     refs = copy.deepcopy([first, second, third])
     a, b, c = swap_wrapper(first), swap_wrapper(second), swap_wrapper(third)
     SwapManager().set_forward_prefetch_layer(a, b)
     SwapManager().set_forward_prefetch_layer(b, c)
-    x = torch.randn(4, 16)
+    x = torch.randn(4, 16, device=dev)
     out = c(b(a(x))).sum()
     out_ref = refs[2](refs[1](refs[0](x))).sum()
     assert torch.equal(out, out_ref)
@@ -516,10 +517,10 @@ def test_tuple_outputs_and_in_place_on_previous_output_prefetch(cpu_swap):
     assert SwapManager().stats()["on_demand_reloads"] == 0
 
 
-def test_meter_shows_swap_saves_memory(cpu_swap):
-    ref = Stack(layers=4)
+def test_meter_shows_swap_saves_memory(cpu_swap, dev):
+    ref = Stack(layers=4).to(dev)
     model = wrap_chain(twin(ref))
-    x = torch.randn(4, 8, 32)
+    x = torch.randn(4, 8, 32, device=dev)
     with saved_activation_memory() as m_ref:
         ref(x).backward()
     with saved_activation_memory() as m_swap:
@@ -533,11 +534,11 @@ def test_prefetch_depth_validation():
         SwapManager().set_prefetch_depth(-1)
 
 
-def test_prefetch_depth_two(cpu_swap):
+def test_prefetch_depth_two(cpu_swap, dev):
     SwapManager().set_prefetch_depth(2)
-    ref = Stack(layers=4)
+    ref = Stack(layers=4).to(dev)
     model = wrap_chain(twin(ref))
-    x = torch.randn(2, 4, 32)
+    x = torch.randn(2, 4, 32, device=dev)
     model(x).backward()
     ref(x).backward()
     assert_bitwise(grads(model), grads(ref))
