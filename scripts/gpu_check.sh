@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# GPU machine check, one command: builds against the installed (CUDA) torch, runs the swap
+# and checkpoint suites on the accelerator (HP_TEST_DEVICE=cuda: the real stream backend),
+# then prints device peak memory with and without swap.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+bash scripts/setup.sh
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'hyper_parallel: no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
+ctest --test-dir "${HP_BUILD_DIR:-build}" --output-on-failure --no-tests=error -j4
+HP_TEST_DEVICE=cuda "$PY" -m pytest tests/python/core/activation_checkpoint -q "$@"
+"$PY" benchmarks/gpu_swap_memory.py

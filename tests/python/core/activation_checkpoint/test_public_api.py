@@ -1,0 +1,47 @@
+"""The public import path and what it exposes are stable (SPEC 2)."""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+import hyper_parallel.core.activation_checkpoint as ac
+
+
+def test_public_names():
+    expected = {"CheckpointPolicy", "SwapManager", "checkpoint", "checkpoint_wrapper", "swap",
+                "swap_wrapper", "swap_tensor_wrapper", "saved_activation_memory"}
+    assert expected <= set(ac.__all__)
+    for name in ac.__all__:
+        assert getattr(ac, name) is not None
+
+
+def test_checkpoint_policy_values():
+    P = ac.CheckpointPolicy
+    assert [P.MUST_SAVE.value, P.PREFER_SAVE.value, P.MUST_RECOMPUTE.value,
+            P.PREFER_RECOMPUTE.value, P.MUST_SWAP.value] == [0, 1, 2, 3, 4]
+
+
+def test_issue_acceptance_one_liner():
+    out = subprocess.run(
+        [sys.executable, "-c", "from hyper_parallel.core.activation_checkpoint import "
+         "CheckpointPolicy as P; print(P.MUST_SWAP.value)"],
+        capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "4"
+
+
+def test_missing_extension_names_the_build_command(monkeypatch):
+    import hyper_parallel._extension as ext
+
+    real = importlib.import_module
+
+    def fail(name, *args, **kwargs):
+        if name == "hyper_parallel._C":
+            raise ImportError("undefined symbol: _ZN3c10simulated")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", fail)
+    with pytest.raises(ImportError, match=r"hyper_parallel: .*bash scripts/setup\.sh.*"
+                                          r"pip install --no-build-isolation"):
+        ext.load_extension()
