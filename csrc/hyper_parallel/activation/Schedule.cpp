@@ -24,7 +24,9 @@ void Schedule::remove_layer(int64_t layer) {
     next_of_.erase(it->second);
     prev_of_.erase(it);
   }
-  latest_.erase(layer);
+  for (auto it = latest_.begin(); it != latest_.end();) {
+    it = it->first.layer == layer ? latest_.erase(it) : std::next(it);
+  }
 }
 
 int64_t Schedule::successor(int64_t layer) const {
@@ -40,8 +42,9 @@ int64_t Schedule::predecessor(int64_t layer) const {
 void Schedule::on_begin(const std::shared_ptr<SwapGroup>& group) {
   const int64_t layer = group->layer();
   if (layer < 0) return;
+  const auto thread = std::this_thread::get_id();
   if (auto it = prev_of_.find(layer); it != prev_of_.end()) {
-    if (auto it2 = latest_.find(it->second); it2 != latest_.end()) {
+    if (auto it2 = latest_.find(Key{it->second, thread}); it2 != latest_.end()) {
       auto pred = it2->second.lock();
       if (pred && !pred->aborted && pred->next.expired()) {
         group->prev = pred;
@@ -49,7 +52,7 @@ void Schedule::on_begin(const std::shared_ptr<SwapGroup>& group) {
       }
     }
   }
-  latest_[layer] = group;
+  latest_[Key{layer, thread}] = group;
 }
 
 void Schedule::on_abort(const std::shared_ptr<SwapGroup>& group) {
@@ -59,7 +62,7 @@ void Schedule::on_abort(const std::shared_ptr<SwapGroup>& group) {
   }
   group->prev.reset();
   if (group->layer() >= 0) {
-    auto it = latest_.find(group->layer());
+    auto it = latest_.find(Key{group->layer(), std::this_thread::get_id()});
     if (it != latest_.end() && it->second.lock() == group) latest_.erase(it);
   }
 }

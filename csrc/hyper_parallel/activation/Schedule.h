@@ -7,7 +7,9 @@
 //    leave the device); a layer with a predecessor but no successor is the last layer and
 //    keeps its activations on device; a layer in no chain is "unscheduled".
 //  * Invocation j of layer k links to the latest invocation of k's predecessor that has
-//    not been linked yet, so micro-batches and repeated calls each get their own chain.
+//    not been linked yet, on the same thread, so micro-batches and repeated calls each get
+//    their own chain, and two threads running forwards of different micro-batches do not
+//    cross-link.
 //  * prefetch_targets(g, depth): the invocations whose reload starts when the backward
 //    of g begins: g itself (if a hole left it offloaded) and up to `depth` predecessors.
 //
@@ -17,6 +19,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -49,7 +52,18 @@ class Schedule {
   int64_t next_layer_id_ = 0;
   std::unordered_map<int64_t, int64_t> next_of_;
   std::unordered_map<int64_t, int64_t> prev_of_;
-  std::unordered_map<int64_t, std::weak_ptr<SwapGroup>> latest_;
+  // (layer, thread) -> latest invocation.
+  struct Key {
+    int64_t layer;
+    std::thread::id thread;
+    bool operator==(const Key& o) const { return layer == o.layer && thread == o.thread; }
+  };
+  struct KeyHash {
+    size_t operator()(const Key& k) const {
+      return std::hash<int64_t>()(k.layer) * 31 + std::hash<std::thread::id>()(k.thread);
+    }
+  };
+  std::unordered_map<Key, std::weak_ptr<SwapGroup>, KeyHash> latest_;
 };
 
 }  // namespace hyper_parallel::activation
