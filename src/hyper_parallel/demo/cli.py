@@ -1,0 +1,164 @@
+"""Command line of ``python -m hyper_parallel.demo``."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from hyper_parallel.core.activation_checkpoint import SwapManager
+
+from .data import load_corpus, make_batches, stdlib_dir
+from .model import build_config, initial_state
+from .report import build_records, render_table, write_json, write_plot
+from .strategies import STRATEGIES, parse_strategies
+from .train import train_strategy
+
+DEFAULTS = dict(layers=4, hidden=128, heads=4, seq_len=128, batch=4, steps=8, seed=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hyper_parallel.demo",
+        description=(
+            "Trains a small, randomly initialised Llama (transformers' LlamaForCausalLM) on "
+            "byte tokens of the Python standard library's sources, once per activation "
+            "strategy, from the same weights on the same batches, and reports saved-activation "
+            "memory, bytes offloaded, step time and loss differences from 'none'."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--layers", type=int, default=DEFAULTS["layers"], help="decoder layers")
+    p.add_argument("--hidden", type=int, default=DEFAULTS["hidden"], help="hidden size")
+    p.add_argument("--heads", type=int, default=DEFAULTS["heads"], help="attention heads")
+    p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"],
+                   help="tokens (bytes) per sequence")
+    p.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="sequences per step")
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"],
+                   help="training steps per strategy (>= 2: even steps measure the whole "
+                        "model, odd steps the decoder layers)")
+    p.add_argument("--device", default="auto",
+                   help="'auto' (the accelerator if there is one, else cpu), 'cpu', 'cuda', "
+                        "'cuda:1', 'npu', ...")
+    p.add_argument("--strategies", default=",".join(STRATEGIES),
+                   help="comma-separated list of: " + ", ".join(STRATEGIES))
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"],
+                   help="seed of the initial weights, the batches and training")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--attn", choices=("eager", "sdpa"), default="eager",
+                   help="attention implementation of transformers")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--json", metavar="PATH", help="write one JSON record per strategy here")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot here")
+    return p
+
+
+def resolve_device(text: str) -> torch.device:
+    """``auto`` means the current accelerator when torch sees one, else the CPU."""
+    if text == "auto":
+        if torch.accelerator.is_available():
+            return torch.accelerator.current_accelerator()
+        return torch.device("cpu")
+    return torch.device(text)
+
+
+def _validate(args: argparse.Namespace) -> None:
+    for name in ("layers", "hidden", "heads", "seq_len", "batch"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"hyper_parallel: --{name.replace('_', '-')} must be >= 1")
+    if args.steps < 2:
+        raise SystemExit("hyper_parallel: --steps must be >= 2 (even steps measure the whole "
+                         "forward, odd steps the decoder stack)")
+
+
+def main(argv: list[str] | None = None, console: Console | None = None) -> list[dict]:
+    """Runs the demo; returns the JSON records (also written with ``--json``)."""
+    args = build_parser().parse_args(argv)
+    _validate(args)
+    try:
+        names = parse_strategies(args.strategies)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped or captured: rich would assume 80 columns
+            console = Console(width=140)
+    device = resolve_device(args.device)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit("hyper_parallel: --threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    wall_start = time.perf_counter()
+
+    manager = SwapManager()
+    cpu_swap_before = manager.cpu_swap_enabled()
+    if device.type == "cpu":
+        manager.set_cpu_swap(True)
+        console.print(
+            "[bold]CPU run:[/bold] turned on the CPU swap backend "
+            "(SwapManager().set_cpu_swap(True)). Activations live in host memory here, so "
+            "'swap' copies them into the engine's host buffers on a worker thread and frees "
+            "the originals: the schedule, the frees and the reloads run for real, and the "
+            "memory numbers below show what an accelerator would keep on device.")
+    try:
+        config = build_config(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                              seq_len=args.seq_len, attn=args.attn)
+        state = initial_state(config, seed=args.seed)
+        tokens = load_corpus()
+        batches = make_batches(tokens, batch=args.batch, seq_len=args.seq_len,
+                               steps=args.steps, seed=args.seed)
+        run_info = {
+            "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+            "intermediate": config.intermediate_size, "seq_len": args.seq_len,
+            "batch": args.batch, "steps": args.steps, "seed": args.seed, "lr": args.lr,
+            "attn": args.attn, "device": str(device), "cpu_swap": device.type == "cpu",
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "parameters": parameter_count_from_state(state),
+            "corpus": str(stdlib_dir()), "corpus_tokens": int(tokens.numel()),
+            "python": platform.python_version(),
+        }
+        console.print(
+            f"LlamaForCausalLM: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
+            f"MLP {config.intermediate_size}, {run_info['parameters'] / 1e6:.2f} M parameters; "
+            f"{args.batch} x {args.seq_len} byte tokens per step from {tokens.numel() / 1e6:.2f} MB "
+            f"of {stdlib_dir()}/*.py; {args.steps} steps per strategy on {device} "
+            f"({torch.get_num_threads()} threads).")
+
+        results = []
+        with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                      console=console, transient=False) as progress:
+            for name in names:
+                task = progress.add_task(name, total=args.steps, info="")
+
+                def on_step(step, loss, task=task):
+                    progress.update(task, advance=1, info=f"loss {loss:.4f}")
+
+                results.append(train_strategy(
+                    name, config=config, state=state, batches=batches, device=device,
+                    seed=args.seed, lr=args.lr, on_step=on_step, keep_final_state=True))
+    finally:
+        manager.set_cpu_swap(cpu_swap_before)
+
+    run_info["wall_seconds"] = time.perf_counter() - wall_start
+    records = build_records(results, run_info)
+    title = (f"hyper_parallel demo: Llama {args.layers}x{args.hidden}, batch {args.batch} x "
+             f"{args.seq_len}, {args.steps} steps, {device}")
+    render_table(records, console, title)
+    if args.json:
+        write_json(records, args.json)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        write_plot(records, args.plot, title)
+        console.print(f"wrote {args.plot}")
+    console.print(f"total wall time {run_info['wall_seconds']:.1f} s")
+    return records
+
+
+def parameter_count_from_state(state: dict) -> int:
+    """Number of parameters in a state dict (all floating tensors)."""
+    return sum(v.numel() for v in state.values() if v.is_floating_point())

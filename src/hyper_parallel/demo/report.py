@@ -1,0 +1,190 @@
+"""Results of the demo: records, a rich table, JSON and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .train import StrategyResult
+
+MIB = 1024 * 1024
+
+#: What each number of the table means (printed under it).
+LEGEND = """\
+peak saved (step)  : peak bytes held by tensors autograd saved for backward, during forward
+                     and backward of the whole model (embedding, decoder layers, final norm,
+                     LM head, loss); library meter saved_activation_memory(). An offloaded
+                     storage counts 0 while on the host and again once reloaded.
+peak saved (layers): the same meter counting only what the decoder layers save (first
+                     layer's forward to the end of backward): the part the strategies act on.
+layers vs none     : peak saved (layers) / that of "none".
+offloaded/step     : bytes copied to the host per training step (SwapManager().stats()).
+step               : median wall time of one step (forward + backward + AdamW); x = vs none.
+max |dloss|        : largest |loss - loss of "none"| over all steps (0 = bitwise equal).
+device peak        : accelerator allocator peak during a step minus what was allocated
+                     before it (weights, gradients, optimizer state); accelerators only."""
+
+
+def build_records(results: list[StrategyResult], run_info: dict) -> list[dict]:
+    """One JSON-ready record per strategy (SPEC 7 keys first; bytes in bytes, seconds in
+    seconds). Differences are taken against the "none" run when there is one."""
+    base = next((r for r in results if r.strategy == "none"), None)
+    records = []
+    for r in results:
+        rec = {
+            "strategy": r.strategy,
+            "peak_saved_bytes": r.peak_saved_bytes,
+            "offload_bytes": r.offload_bytes,
+            "step_seconds": r.step_seconds,
+            "losses": r.losses,
+            "max_abs_loss_diff": None,
+            "final_loss": r.losses[-1] if r.losses else None,
+            "description": r.description,
+            "layers_peak_saved_bytes": r.layers_peak_saved_bytes,
+            "layers_peak_ratio_vs_none": None,
+            "losses_bitwise_equal_none": None,
+            "max_abs_param_diff": None,
+            "offload_bytes_per_step": r.offload_bytes_per_step,
+            "step_seconds_all": r.step_seconds_all,
+            "device_peak_bytes": r.device_peak_bytes,
+            "device_step_peak_bytes": r.device_step_peak_bytes,
+            "swap_stats": r.swap_stats,
+            "run": run_info,
+        }
+        if base is not None:
+            diffs = [abs(a - b) for a, b in zip(r.losses, base.losses)]
+            rec["max_abs_loss_diff"] = max(diffs) if diffs else None
+            rec["losses_bitwise_equal_none"] = r.losses == base.losses
+            if r.layers_peak_saved_bytes is not None and base.layers_peak_saved_bytes:
+                rec["layers_peak_ratio_vs_none"] = (r.layers_peak_saved_bytes
+                                                    / base.layers_peak_saved_bytes)
+            if r.final_state is not None and base.final_state is not None:
+                rec["max_abs_param_diff"] = max(
+                    (float((r.final_state[k].double() - v.double()).abs().max())
+                     for k, v in base.final_state.items() if v.is_floating_point()),
+                    default=0.0)
+        records.append(rec)
+    return records
+
+
+def _mib(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / MIB:.2f} MiB"
+
+
+def _diff(x) -> str:
+    if x is None:
+        return "-"
+    return "0 (bitwise)" if x == 0 else f"{x:.2e}"
+
+
+def render_table(records: list[dict], console: Console, title: str) -> None:
+    """Prints the results table and its legend."""
+    show_device = any(r["device_step_peak_bytes"] is not None for r in records)
+    base_time = next((r["step_seconds"] for r in records if r["strategy"] == "none"), None)
+    table = Table(title=title, header_style="bold")
+    table.add_column("strategy", style="cyan", no_wrap=True)
+    table.add_column("peak saved (step)", justify="right")
+    table.add_column("peak saved (layers)", justify="right")
+    table.add_column("layers vs none", justify="right")
+    table.add_column("offloaded/step", justify="right")
+    table.add_column("step", justify="right")
+    table.add_column("final loss", justify="right")
+    table.add_column("max |dloss|", justify="right")
+    if show_device:
+        table.add_column("device peak", justify="right")
+    for r in records:
+        ratio = r["layers_peak_ratio_vs_none"]
+        step = f"{r['step_seconds'] * 1e3:.0f} ms"
+        if base_time and r["strategy"] != "none":
+            step += f" (x{r['step_seconds'] / base_time:.2f})"
+        row = [
+            r["strategy"],
+            _mib(r["peak_saved_bytes"]),
+            _mib(r["layers_peak_saved_bytes"]),
+            "-" if ratio is None else f"{ratio:.2f}",
+            _mib(r["offload_bytes"]),
+            step,
+            "-" if r["final_loss"] is None else f"{r['final_loss']:.4f}",
+            _diff(r["max_abs_loss_diff"]),
+        ]
+        if show_device:
+            row.append(_mib(r["device_step_peak_bytes"]))
+        table.add_row(*row)
+    console.print(table)
+    console.print(LEGEND, style="dim", highlight=False, soft_wrap=True)
+
+
+def write_json(records: list[dict], path: str | Path) -> None:
+    """Writes the records as a JSON list (one object per strategy)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(records, f, indent=2)
+        f.write("\n")
+
+
+def write_plot(records: list[dict], path: str | Path, title: str) -> None:
+    """Writes a PNG: saved-activation peaks and offloaded bytes per strategy, step time
+    per strategy, loss curves, and each strategy's |loss - loss of none| per step."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    names = [r["strategy"] for r in records]
+    x = list(range(len(names)))
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    fig.suptitle(title)
+
+    ax = axes[0][0]
+    width = 0.27
+    series = [("peak saved (step)", "peak_saved_bytes"),
+              ("peak saved (layers)", "layers_peak_saved_bytes"),
+              ("offloaded / step", "offload_bytes")]
+    for i, (label, key) in enumerate(series):
+        vals = [(r[key] or 0) / MIB for r in records]
+        ax.bar([p + (i - 1) * width for p in x], vals, width, label=label)
+    ax.set_xticks(x, names, rotation=20)
+    ax.set_ylabel("MiB")
+    ax.set_title("saved-activation memory")
+    ax.legend(fontsize=8)
+
+    ax = axes[0][1]
+    ax.bar(x, [r["step_seconds"] * 1e3 for r in records], color="tab:gray")
+    ax.set_xticks(x, names, rotation=20)
+    ax.set_ylabel("ms")
+    ax.set_title("median step time")
+
+    ax = axes[1][0]
+    styles = ["-", "--", "-.", ":"]
+    for i, r in enumerate(records):
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], styles[i % len(styles)],
+                marker="o", markersize=3, label=r["strategy"], alpha=0.85)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("training loss (same weights, same batches)")
+    ax.legend(fontsize=8)
+
+    ax = axes[1][1]
+    base = next((r for r in records if r["strategy"] == "none"), None)
+    if base is not None:
+        for i, r in enumerate(records):
+            if r is base:
+                continue
+            diffs = [abs(a - b) for a, b in zip(r["losses"], base["losses"])]
+            ax.plot(range(1, len(diffs) + 1), diffs, styles[i % len(styles)], marker="o",
+                    markersize=3, label=r["strategy"])
+        ax.set_yscale("symlog", linthresh=1e-7)
+        ax.set_ylim(bottom=0, top=max(1e-5, ax.get_ylim()[1]))
+        ax.set_title("|loss - loss of none| (0 = bitwise equal)")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    else:
+        ax.set_axis_off()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
