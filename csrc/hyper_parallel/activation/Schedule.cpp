@@ -2,6 +2,8 @@
 
 #include "hyper_parallel/common/Macros.h"
 
+#include <algorithm>
+
 namespace hyper_parallel::activation {
 
 void Schedule::link(int64_t prev, int64_t next) {
@@ -24,8 +26,8 @@ void Schedule::remove_layer(int64_t layer) {
     next_of_.erase(it->second);
     prev_of_.erase(it);
   }
-  for (auto it = latest_.begin(); it != latest_.end();) {
-    it = it->first.layer == layer ? latest_.erase(it) : std::next(it);
+  for (auto it = unlinked_.begin(); it != unlinked_.end();) {
+    it = it->first.layer == layer ? unlinked_.erase(it) : std::next(it);
   }
 }
 
@@ -44,26 +46,48 @@ void Schedule::on_begin(const std::shared_ptr<SwapGroup>& group) {
   if (layer < 0) return;
   const auto thread = std::this_thread::get_id();
   if (auto it = prev_of_.find(layer); it != prev_of_.end()) {
-    if (auto it2 = latest_.find(Key{it->second, thread}); it2 != latest_.end()) {
-      auto pred = it2->second.lock();
-      if (pred && !pred->aborted && pred->next.expired()) {
-        group->prev = pred;
-        pred->next = group;
+    if (auto it2 = unlinked_.find(Key{it->second, thread}); it2 != unlinked_.end()) {
+      auto& queue = it2->second;
+      while (!queue.empty()) {
+        auto pred = queue.front().lock();
+        queue.pop_front();
+        if (pred && !pred->aborted && pred->next.expired()) {
+          group->prev = pred;
+          pred->next = group;
+          break;
+        }
       }
     }
   }
-  latest_[Key{layer, thread}] = group;
+  auto& mine = unlinked_[Key{layer, thread}];
+  // Invocations of a layer without successor invocations (the last layer, a layer whose
+  // backward already ran) die with their graphs; drop them so the queue stays short.
+  if (mine.size() >= 8) {
+    mine.erase(std::remove_if(mine.begin(), mine.end(),
+                              [](const std::weak_ptr<SwapGroup>& w) { return w.expired(); }),
+               mine.end());
+  }
+  mine.push_back(group);
 }
 
 void Schedule::on_abort(const std::shared_ptr<SwapGroup>& group) {
   group->aborted = true;
   if (auto pred = group->prev.lock()) {
-    if (pred->next.lock() == group) pred->next.reset();
+    if (pred->next.lock() == group) {
+      // The predecessor invocation may be linked again (a retried forward).
+      pred->next.reset();
+      unlinked_[Key{pred->layer(), std::this_thread::get_id()}].push_front(pred);
+    }
   }
   group->prev.reset();
   if (group->layer() >= 0) {
-    auto it = latest_.find(Key{group->layer(), std::this_thread::get_id()});
-    if (it != latest_.end() && it->second.lock() == group) latest_.erase(it);
+    auto it = unlinked_.find(Key{group->layer(), std::this_thread::get_id()});
+    if (it != unlinked_.end()) {
+      auto& q = it->second;
+      q.erase(std::remove_if(q.begin(), q.end(),
+                             [&](const std::weak_ptr<SwapGroup>& w) { return w.lock() == group; }),
+              q.end());
+    }
   }
 }
 
@@ -90,7 +114,7 @@ std::vector<std::shared_ptr<SwapGroup>> Schedule::prefetch_targets(
 void Schedule::clear() {
   next_of_.clear();
   prev_of_.clear();
-  latest_.clear();
+  unlinked_.clear();
 }
 
 }  // namespace hyper_parallel::activation

@@ -6,8 +6,8 @@
 //  * A layer with a successor is released at the end of its forward (its activations may
 //    leave the device); a layer with a predecessor but no successor is the last layer and
 //    keeps its activations on device; a layer in no chain is "unscheduled".
-//  * Invocation j of layer k links to the latest invocation of k's predecessor that has
-//    not been linked yet, on the same thread, so micro-batches and repeated calls each get
+//  * Invocation j of layer k links to the oldest invocation of k's predecessor that has
+//    not been linked yet, on the same thread (L0a L0b L1a L1b links L1a-L0a, L1b-L0b), so micro-batches and repeated calls each get
 //    their own chain, and two threads running forwards of different micro-batches do not
 //    cross-link.
 //  * prefetch_targets(g, depth): the invocations whose reload starts when the backward
@@ -18,6 +18,7 @@
 #include "hyper_parallel/activation/SwapGroup.h"
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <thread>
 #include <unordered_map>
@@ -52,7 +53,7 @@ class Schedule {
   int64_t next_layer_id_ = 0;
   std::unordered_map<int64_t, int64_t> next_of_;
   std::unordered_map<int64_t, int64_t> prev_of_;
-  // (layer, thread) -> latest invocation.
+  // (layer, thread) -> invocations not yet linked to a successor invocation, oldest first.
   struct Key {
     int64_t layer;
     std::thread::id thread;
@@ -63,7 +64,7 @@ class Schedule {
       return std::hash<int64_t>()(k.layer) * 31 + std::hash<std::thread::id>()(k.thread);
     }
   };
-  std::unordered_map<Key, std::weak_ptr<SwapGroup>, KeyHash> latest_;
+  std::unordered_map<Key, std::deque<std::weak_ptr<SwapGroup>>, KeyHash> unlinked_;
 };
 
 }  // namespace hyper_parallel::activation

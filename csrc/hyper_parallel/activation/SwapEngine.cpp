@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <map>
+#include <unordered_set>
 
 namespace hyper_parallel::activation {
 
@@ -294,7 +295,9 @@ void SwapEngine::try_offload_locked(std::vector<std::shared_ptr<StorageRecord>> 
   // Per device: (records, storages) ready to leave the device now.
   std::map<std::pair<int, int>, std::pair<std::vector<std::shared_ptr<StorageRecord>>,
                                           std::vector<c10::Storage>>> ready;
+  std::unordered_set<const c10::StorageImpl*> seen;
   for (auto& record : candidates) {
+    if (!seen.insert(record->key()).second) continue;  // listed twice (deferred by two groups)
     if (record->state() != Residency::kDevice) continue;
     if (!record->released_by_all_holders()) continue;  // the last holder to release retries
     c10::Storage storage = record->storage();
