@@ -29,8 +29,69 @@ std::optional<CheckpointPolicy> to_policy(const py::handle& obj) {
   return std::nullopt;
 }
 
+// ---------------------------------------------------------------- DTensor (issue 6)
+// A DTensor is a Python wrapper subclass: the outer tensor has no data of its own, its
+// values live in a plain local tensor (`_local_tensor`, this rank's shard). Autograd saves
+// the outer DTensor. The pack hook swaps it through its local tensor's storage and keeps a
+// DTensorHandle meanwhile: the local tensor's SavedHandle plus the DTensor's spec (mesh,
+// placements, global shape and stride). The unpack hook makes the local storage resident
+// through SwapEngine::unpack (reload, wait, version check) and builds a DTensor from that
+// local tensor and the same spec. The original DTensor object is not kept: it references
+// the local storage, and the engine frees a storage only when nothing but its own handles
+// references it. Other Python subclasses still pass through untouched (SPEC 4.4).
+
+// The DTensor class, or nullptr while torch.distributed.tensor is not imported (then no
+// DTensor exists). Only looked up for tensors with the Python dispatch key, never for
+// plain ones. Guarded by the GIL; the reference is kept for the life of the process.
+PyObject* dtensor_type() {
+  static PyObject* cls = nullptr;
+  if (cls == nullptr) {
+    PyObject* mod = PyImport_GetModule(py::str("torch.distributed.tensor").ptr());
+    if (mod == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    cls = PyObject_GetAttrString(mod, "DTensor");
+    Py_DECREF(mod);
+    if (cls == nullptr) PyErr_Clear();
+  }
+  return cls;
+}
+
+bool is_dtensor(const py::handle& obj) {
+  PyObject* cls = dtensor_type();
+  return cls != nullptr && reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr())) == cls;
+}
+
+// The DTensor's local tensor as the engine should see it: tensor_data() shares its storage
+// and version counter but drops its autograd flags (a local tensor made by from_local is a
+// leaf that requires grad; whether a DTensor is a parameter is decided on the outer tensor).
+at::Tensor dtensor_local(const py::handle& obj) {
+  return THPVariable_Unpack(obj.attr("_local_tensor").ptr()).tensor_data();
+}
+
+// A leaf that requires grad (a parameter) or a view of one; the Eligibility rule, applied
+// to the outer DTensor.
+bool is_parameter_like(const at::Tensor& t) {
+  if (t.requires_grad() && t.is_leaf()) return true;
+  if (!t.is_view()) return false;
+  const at::TensorBase& base = t._base();
+  return base.defined() && base.requires_grad() && base.is_leaf();
+}
+
+// What the pack hook returns for a swapped DTensor. An in-place op on a DTensor bumps the
+// version counter of the outer tensor only (it writes the local tensor below autograd), so
+// the outer counter is kept (without the tensor) and checked at unpack, as autograd would.
+struct DTensorHandle {
+  std::shared_ptr<SavedHandle> local;  // the local tensor's storage, managed by the engine
+  py::object spec;                     // the DTensor's DTensorSpec
+  c10::VariableVersion version;        // the outer DTensor's version counter
+  uint32_t saved_version;
+};
+
 // The saved-tensor pack hook of a region. Called by autograd (with the GIL) once per
-// saved tensor; returns a SavedHandle for a swapped tensor or the tensor itself.
+// saved tensor; returns a SavedHandle for a swapped tensor, a DTensorHandle for a swapped
+// DTensor, or the tensor itself.
 class PackHook {
  public:
   PackHook(PackMode mode, py::object policy_fn) : mode_(mode), policy_fn_(std::move(policy_fn)) {}
@@ -38,27 +99,54 @@ class PackHook {
   py::object operator()(const py::object& obj) const {
     if (!THPVariable_Check(obj.ptr())) return obj;
     const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+    if (t.key_set().has(c10::DispatchKey::Python)) return pack_subclass(obj, t);
     if (auto* meter = SavedBytesMeter::active()) meter->observe(t);
     auto group = engine().current_group();
     if (!group) return obj;
-    if (mode_ == PackMode::kSwapAll && !policy_fn_.is_none()) {
-      if (check_eligible(t, engine().cpu_swap()) != Ineligible::kNone) return obj;
-      py::object result = policy_fn_(obj);
-      auto policy = to_policy(result);
-      HP_CHECK_VALUE(policy && (*policy == CheckpointPolicy::MUST_SAVE ||
-                                *policy == CheckpointPolicy::MUST_SWAP),
-                     "the swap policy_fn returned ", std::string(py::repr(result)),
-                     " for a saved tensor of shape ", t.sizes(), " and dtype ", t.scalar_type(),
-                     "; a swap policy must return CheckpointPolicy.MUST_SAVE (keep on device) "
-                     "or CheckpointPolicy.MUST_SWAP (offload).");
-      if (*policy == CheckpointPolicy::MUST_SAVE) return obj;
-    }
+    if (!policy_swaps(obj, t, t)) return obj;
     auto handle = engine().pack(group, t, mode_);
     if (!handle) return obj;
     return py::cast(std::move(handle));
   }
 
  private:
+  // False when the swap policy_fn keeps the tensor on device (or it is ineligible anyway).
+  // `shown` is what the error message describes, `data` what would be swapped.
+  bool policy_swaps(const py::object& obj, const at::Tensor& shown, const at::Tensor& data) const {
+    if (mode_ != PackMode::kSwapAll || policy_fn_.is_none()) return true;
+    if (check_eligible(data, engine().cpu_swap()) != Ineligible::kNone) return false;
+    py::object result = policy_fn_(obj);
+    auto policy = to_policy(result);
+    HP_CHECK_VALUE(policy && (*policy == CheckpointPolicy::MUST_SAVE ||
+                              *policy == CheckpointPolicy::MUST_SWAP),
+                   "the swap policy_fn returned ", std::string(py::repr(result)),
+                   " for a saved tensor of shape ", shown.sizes(), " and dtype ",
+                   shown.scalar_type(), "; a swap policy must return CheckpointPolicy.MUST_SAVE "
+                   "(keep on device) or CheckpointPolicy.MUST_SWAP (offload).");
+    return *policy == CheckpointPolicy::MUST_SWAP;
+  }
+
+  // Tensors with the Python dispatch key: a DTensor is swapped through its local tensor,
+  // any other subclass passes through.
+  py::object pack_subclass(const py::object& obj, const at::Tensor& t) const {
+    auto* meter = SavedBytesMeter::active();
+    if (!is_dtensor(obj)) {
+      if (meter) meter->observe(t);
+      return obj;
+    }
+    if (is_parameter_like(t)) return obj;  // a DTensor parameter or a view of one
+    at::Tensor local = dtensor_local(obj);
+    if (meter) meter->observe(local);
+    auto group = engine().current_group();
+    if (!group) return obj;
+    if (!policy_swaps(obj, t, local)) return obj;  // policy_fn sees the DTensor
+    auto handle = engine().pack(group, local, mode_);
+    if (!handle) return obj;
+    const c10::VariableVersion& version = t.unsafeGetTensorImpl()->version_counter();
+    return py::cast(std::make_shared<DTensorHandle>(
+        DTensorHandle{std::move(handle), obj.attr("_spec"), version, version.current_version()}));
+  }
+
   PackMode mode_;
   py::object policy_fn_;
 };
@@ -72,6 +160,25 @@ py::object unpack_hook(const py::object& obj) {
       t = engine().unpack(*handle);
     }
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t)));
+  }
+  if (py::isinstance<DTensorHandle>(obj)) {
+    auto handle = obj.cast<std::shared_ptr<DTensorHandle>>();
+    HP_CHECK(handle->version.current_version() == handle->saved_version,
+             "a DTensor saved for backward (placements ", std::string(py::str(
+                 handle->spec.attr("placements"))), ") was modified by an in-place operation "
+             "after it was saved (version ", handle->saved_version, " -> ",
+             handle->version.current_version(), "). Clone the tensor before modifying it, or "
+             "move the in-place op out of the checkpoint/swap region.");
+    at::Tensor local;
+    {
+      py::gil_scoped_release no_gil;
+      local = engine().unpack(*handle->local);
+    }
+    // Same spec, so the same mesh, placements and global shape; requires_grad is False as
+    // for any unpacked alias (autograd attaches the saved grad_fn itself).
+    py::object local_obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(local)));
+    return py::reinterpret_borrow<py::object>(dtensor_type())(local_obj, handle->spec,
+                                                              py::arg("requires_grad") = false);
   }
   return obj;
 }
@@ -134,13 +241,23 @@ void bind_swap(py::module_& m) {
   py::class_<PackHook>(m, "PackHook")
       .def(py::init<PackMode, py::object>(), py::arg("mode"), py::arg("policy_fn") = py::none())
       .def("__call__", &PackHook::operator(), py::arg("tensor"));
+  py::class_<DTensorHandle, std::shared_ptr<DTensorHandle>>(m, "DTensorHandle",
+      "Opaque handle of a swapped saved DTensor: its local tensor's handle and its spec.")
+      .def_property_readonly("local", [](const DTensorHandle& h) { return h.local; })
+      .def_property_readonly("spec", [](const DTensorHandle& h) { return h.spec; });
   m.def("unpack_hook", &unpack_hook, py::arg("packed"));
 
   py::class_<SavedBytesMeter, std::shared_ptr<SavedBytesMeter>>(m, "SavedBytesMeter",
       "Peak bytes of storages saved for backward (see SavedBytesMeter.h).")
       .def(py::init<>())
       .def("observe", [](SavedBytesMeter& meter, const py::object& obj) {
-        if (THPVariable_Check(obj.ptr())) meter.observe(THPVariable_Unpack(obj.ptr()));
+        if (!THPVariable_Check(obj.ptr())) return obj;
+        const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+        if (!is_dtensor(obj)) {
+          meter.observe(t);
+        } else if (!is_parameter_like(t)) {
+          meter.observe(dtensor_local(obj));  // a DTensor's bytes are its local shard's
+        }
         return obj;
       }, py::arg("tensor"), "Records the tensor's storage; returns the tensor (a pack hook).")
       .def("sample", &SavedBytesMeter::sample)
@@ -182,8 +299,13 @@ void bind_swap(py::module_& m) {
   m.def("current_group", [] { return engine().current_group(); });
   m.def("name_group", [](const std::shared_ptr<SwapGroup>& g) { engine().name_group(g); });
   m.def("set_group_swap", [](const std::shared_ptr<SwapGroup>& g, bool on) { g->set_group_swap(on); });
-  m.def("register_tensor", [](const at::Tensor& t) {
-    return engine().register_tensor(engine().current_group(), t);
+  m.def("register_tensor", [](const py::object& obj) {
+    if (!THPVariable_Check(obj.ptr())) return false;
+    if (is_dtensor(obj)) {  // registered through its local tensor, unless a parameter
+      if (is_parameter_like(THPVariable_Unpack(obj.ptr()))) return false;
+      return engine().register_tensor(engine().current_group(), dtensor_local(obj));
+    }
+    return engine().register_tensor(engine().current_group(), THPVariable_Unpack(obj.ptr()));
   }, py::arg("tensor"));
   m.def("launch_offload", [](const std::string& n) { engine().launch_offload(group_by_name(n)); });
   m.def("wait_offload", [](const std::string& n) {
@@ -199,12 +321,21 @@ void bind_swap(py::module_& m) {
   });
   m.def("synchronize", [] { engine().synchronize(); }, py::call_guard<py::gil_scoped_release>());
   m.def("reset", [](bool schedule) { engine().reset(schedule); }, py::arg("schedule") = true);
-  m.def("residency", [](const at::Tensor& t) -> py::object {
+  m.def("residency", [](const py::object& obj) -> py::object {
+    HP_CHECK_VALUE(THPVariable_Check(obj.ptr()), "residency() expects a tensor");
+    const at::Tensor t = is_dtensor(obj) ? dtensor_local(obj) : THPVariable_Unpack(obj.ptr());
     const char* r = engine().residency_of(t);
     if (!r) return py::none();
     return py::str(r);
-  }, py::arg("tensor"), "'device', 'offloading', 'host', 'reloading', or None if unmanaged.");
-  m.def("ineligible_reason", [](const at::Tensor& t) -> py::object {
+  }, py::arg("tensor"), "'device', 'offloading', 'host', 'reloading', or None if unmanaged "
+     "(a DTensor: its local tensor's storage).");
+  m.def("ineligible_reason", [](const py::object& obj) -> py::object {
+    HP_CHECK_VALUE(THPVariable_Check(obj.ptr()), "ineligible_reason() expects a tensor");
+    at::Tensor t = THPVariable_Unpack(obj.ptr());
+    if (is_dtensor(obj)) {  // judged as the pack hook does: outer parameter rule, local data
+      if (is_parameter_like(t)) return py::str(to_string(Ineligible::kParameter));
+      t = dtensor_local(obj);
+    }
     auto r = check_eligible(t, engine().cpu_swap());
     if (r == Ineligible::kNone) return py::none();
     return py::str(to_string(r));

@@ -39,10 +39,15 @@ class Region:
         group_swap: fuse small tensors of the group into few copies.
         exclude: tensors whose storages are never swapped (the module's parameters and
             buffers).
+
+    A region in no schedule that runs inside the forward of a scheduled layer (the user
+    guide's ``layer.attn = swap_wrapper(layer.attn)`` with the chain registered over
+    ``model.layers``) joins that layer's invocation: its saved tensors go into the
+    enclosing group and follow the layer's offload/prefetch schedule.
     """
 
     __slots__ = ("_layer_id", "_name", "_pack_mode", "_policy_fn", "_group_swap",
-                 "_exclude", "_manual", "group", "_pushed")
+                 "_exclude", "_manual", "group", "_pushed", "_joined")
 
     def __init__(self, layer_id=-1, name="", pack_mode=None, policy_fn=None, group_swap=False,
                  exclude=(), manual=False):
@@ -55,9 +60,17 @@ class Region:
         self._manual = manual
         self.group = None
         self._pushed = False
+        self._joined = False
 
     def __enter__(self):
-        self.group = _C.begin_forward(self._layer_id, self._name, self._manual, self._group_swap)
+        outer = _C.current_group() if self._layer_id < 0 and not self._manual else None
+        if outer is not None and outer.layer >= 0:
+            self.group, self._joined = outer, True  # the enclosing layer's invocation
+            if self._group_swap:
+                _C.set_group_swap(outer, True)
+        else:
+            self.group = _C.begin_forward(self._layer_id, self._name, self._manual,
+                                          self._group_swap)
         try:
             if self._exclude:
                 self.group.exclude(list(self._exclude))
@@ -66,7 +79,8 @@ class Region:
                     _C.PackHook(self._pack_mode, self._policy_fn), _C.unpack_hook)
                 self._pushed = True
         except BaseException:
-            _C.abort_forward(self.group)
+            if not self._joined:
+                _C.abort_forward(self.group)
             raise
         return self
 
@@ -74,6 +88,8 @@ class Region:
         if self._pushed:
             self._pushed = False
             torch._C._autograd._pop_saved_tensors_default_hooks()
+        if self._joined:
+            return False  # the enclosing region ends (or aborts) the group
         if exc_type is not None:
             _C.abort_forward(self.group)
             return False
@@ -93,7 +109,7 @@ class Region:
     def attach_backward(self, outputs) -> None:
         """Starts this invocation's prefetch when the gradient reaches any output."""
         group = self.group
-        if group is None or (group.num_records == 0 and group.layer < 0):
+        if group is None or self._joined or (group.num_records == 0 and group.layer < 0):
             return
         hook = _BackwardStart(group)
         seen = set()
