@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
 
@@ -13,12 +14,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from hyper_parallel.core.activation_checkpoint import SwapManager
 
 from .data import load_corpus, make_batches, stdlib_dir
-from .model import build_config, initial_state
-from .report import build_records, render_table, write_json, write_plot
 from .strategies import STRATEGIES, parse_strategies
-from .train import train_strategy
 
-DEFAULTS = dict(layers=4, hidden=128, heads=4, seq_len=128, batch=4, steps=8, seed=0)
+DEFAULTS = dict(layers=8, hidden=128, heads=4, seq_len=128, batch=4, steps=12, seed=0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn", choices=("eager", "sdpa"), default="eager",
                    help="attention implementation of transformers")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's choice)")
+                   help="torch intra-op threads; default on cpu: the available cores minus "
+                        "one (kept free for the swap engine's copy thread), at most 8; "
+                        "on an accelerator: torch's choice")
     p.add_argument("--json", metavar="PATH", help="write one JSON record per strategy here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot here")
     return p
@@ -66,13 +66,27 @@ def resolve_device(text: str) -> torch.device:
     return torch.device(text)
 
 
+def default_cpu_threads() -> int:
+    """Intra-op threads for a CPU run: the cores this process may use minus one, which
+    stays free for the swap engine's copy thread, at most 8 (the demo's matrices are
+    small). With OpenMP's busy-waiting, more compute threads than free cores make every
+    op wait for a descheduled thread: steps then take 10x longer and vary wildly."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores - 1))
+
+
 def _validate(args: argparse.Namespace) -> None:
     for name in ("layers", "hidden", "heads", "seq_len", "batch"):
         if getattr(args, name) < 1:
             raise SystemExit(f"hyper_parallel: --{name.replace('_', '-')} must be >= 1")
     if args.steps < 2:
         raise SystemExit("hyper_parallel: --steps must be >= 2 (even steps measure the whole "
-                         "forward, odd steps the decoder stack)")
+                         "model, odd steps the decoder layers)")
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit("hyper_parallel: --threads must be >= 1")
 
 
 def main(argv: list[str] | None = None, console: Console | None = None) -> list[dict]:
@@ -83,28 +97,36 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> list[
         names = parse_strategies(args.strategies)
     except ValueError as err:
         raise SystemExit(str(err)) from None
+    # transformers takes seconds to import: only once the arguments are known good.
+    from .model import build_config, initial_state
+    from .report import build_records, render_table, write_json, write_plot
+    from .train import train_strategy
+
     if console is None:
         console = Console()
         if not console.is_terminal:  # piped or captured: rich would assume 80 columns
             console = Console(width=140)
     device = resolve_device(args.device)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit("hyper_parallel: --threads must be >= 1")
-        torch.set_num_threads(args.threads)
     wall_start = time.perf_counter()
 
+    # Process-wide settings, changed for this run only (main() may run inside a test).
     manager = SwapManager()
     cpu_swap_before = manager.cpu_swap_enabled()
-    if device.type == "cpu":
-        manager.set_cpu_swap(True)
-        console.print(
-            "[bold]CPU run:[/bold] turned on the CPU swap backend "
-            "(SwapManager().set_cpu_swap(True)). Activations live in host memory here, so "
-            "'swap' copies them into the engine's host buffers on a worker thread and frees "
-            "the originals: the schedule, the frees and the reloads run for real, and the "
-            "memory numbers below show what an accelerator would keep on device.")
+    threads_before = torch.get_num_threads()
     try:
+        threads = args.threads
+        if threads is None and device.type == "cpu":
+            threads = default_cpu_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if device.type == "cpu":
+            manager.set_cpu_swap(True)
+            console.print(
+                "[bold]CPU run:[/bold] turned on the CPU swap backend "
+                "(SwapManager().set_cpu_swap(True)). Activations live in host memory here, "
+                "so 'swap' copies them into the engine's host buffers on a worker thread and "
+                "frees the originals: the schedule, the frees and the reloads run for real, "
+                "and the memory numbers below show what an accelerator would keep on device.")
         config = build_config(layers=args.layers, hidden=args.hidden, heads=args.heads,
                               seq_len=args.seq_len, attn=args.attn)
         state = initial_state(config, seed=args.seed)
@@ -124,9 +146,9 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> list[
         console.print(
             f"LlamaForCausalLM: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
             f"MLP {config.intermediate_size}, {run_info['parameters'] / 1e6:.2f} M parameters; "
-            f"{args.batch} x {args.seq_len} byte tokens per step from {tokens.numel() / 1e6:.2f} MB "
-            f"of {stdlib_dir()}/*.py; {args.steps} steps per strategy on {device} "
-            f"({torch.get_num_threads()} threads).")
+            f"{args.batch} x {args.seq_len} byte tokens per step from "
+            f"{tokens.numel() / 1e6:.2f} MB of {stdlib_dir()}/*.py; {args.steps} steps per "
+            f"strategy on {device} ({torch.get_num_threads()} torch thread{'s' if torch.get_num_threads() != 1 else ''}).")
 
         results = []
         with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
@@ -143,6 +165,7 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> list[
                     seed=args.seed, lr=args.lr, on_step=on_step, keep_final_state=True))
     finally:
         manager.set_cpu_swap(cpu_swap_before)
+        torch.set_num_threads(threads_before)
 
     run_info["wall_seconds"] = time.perf_counter() - wall_start
     records = build_records(results, run_info)
@@ -155,7 +178,7 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> list[
     if args.plot:
         write_plot(records, args.plot, title)
         console.print(f"wrote {args.plot}")
-    console.print(f"total wall time {run_info['wall_seconds']:.1f} s")
+    console.print(f"total wall time {run_info['wall_seconds']:.1f} s (after imports)")
     return records
 
 

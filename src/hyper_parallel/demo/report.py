@@ -178,6 +178,10 @@ def write_plot(records: list[dict], path: str | Path, title: str) -> None:
                     markersize=3, label=r["strategy"])
         ax.set_yscale("symlog", linthresh=1e-7)
         ax.set_ylim(bottom=0, top=max(1e-5, ax.get_ylim()[1]))
+        equal = [r["strategy"] for r in records if r is not base and r["losses"] == base["losses"]]
+        if equal:
+            ax.text(0.02, 0.04, "bitwise equal to none: " + ", ".join(equal),
+                    transform=ax.transAxes, fontsize=8)
         ax.set_title("|loss - loss of none| (0 = bitwise equal)")
         ax.set_xlabel("step")
         ax.legend(fontsize=8)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from hyper_parallel.core.activation_checkpoint import (
@@ -23,30 +24,15 @@ from hyper_parallel.core.activation_checkpoint import (
 #: Matrix-multiply ops whose outputs the selective strategies keep (or swap). A Linear
 #: without bias reaches the dispatcher as ``aten.mm``, with bias as ``aten.addmm``; eager
 #: attention's two products are ``aten.bmm``.
-MATMUL_OPS = frozenset({
-    "aten.mm.default",
-    "aten.addmm.default",
-    "aten.bmm.default",
-    "aten.baddbmm.default",
-})
-
-
-def _op_name(op) -> str:
-    # The engine hands policies an op whose str() is "aten.mm.default" (SPEC 2).
-    return str(op)
-
-
-def save_matmuls_policy(ctx, op, *args, **kwargs):
-    """Selective checkpoint: keep matmul outputs, recompute everything else."""
-    if _op_name(op) in MATMUL_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+MATMUL_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm,
+              torch.ops.aten.baddbmm)
+_MATMUL_NAMES = frozenset(f"{packet}.default" for packet in MATMUL_OPS)
 
 
 def swap_matmuls_policy(ctx, op, *args, **kwargs):
     """Selective checkpoint with swap: offload matmul outputs to the host, recompute the
-    rest."""
-    if _op_name(op) in MATMUL_OPS:
+    rest. ``str(op)`` is the overload's name, e.g. ``"aten.mm.default"``."""
+    if str(op) in _MATMUL_NAMES:
         return CheckpointPolicy.MUST_SWAP
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -69,8 +55,9 @@ def _apply_checkpoint(layers: nn.ModuleList) -> None:
 
 
 def _apply_selective(layers: nn.ModuleList) -> None:
+    # A list of ops: save their outputs, recompute the rest (decided in C++, per op).
     for i, layer in enumerate(layers):
-        layers[i] = checkpoint_wrapper(layer, policy_fn=save_matmuls_policy)
+        layers[i] = checkpoint_wrapper(layer, policy_fn=list(MATMUL_OPS))
 
 
 def _apply_swap(layers: nn.ModuleList) -> None:
@@ -107,7 +94,7 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("none", "every activation saved on the device", _apply_none, False),
         Strategy("checkpoint", "checkpoint_wrapper on every layer (full recompute)",
                  _apply_checkpoint, False),
-        Strategy("selective", "checkpoint_wrapper, policy saves matmul outputs",
+        Strategy("selective", "checkpoint_wrapper, policy_fn=[mm, addmm, bmm, baddbmm] saved",
                  _apply_selective, False),
         Strategy("swap", "swap_wrapper on every layer + prefetch chain", _apply_swap, True),
         Strategy("mixed", "even layers checkpoint, odd layers swap + chain", _apply_mixed,
