@@ -8,5 +8,6 @@ namespace hyper_parallel::bindings {
 
 void bind_policy(pybind11::module_& m);
 void bind_swap(pybind11::module_& m);
+void bind_checkpoint(pybind11::module_& m);
 
 }  // namespace hyper_parallel::bindings

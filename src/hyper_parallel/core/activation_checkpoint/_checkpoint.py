@@ -1,8 +1,15 @@
 """Functional checkpoint: ``checkpoint`` and ``checkpoint_wrapper`` (SPEC 2).
 
-Built on torch.utils.checkpoint's non-reentrant frame. A checkpoint region is also a
-layer invocation for the swap engine, so that ``swap_inputs`` (the region's saved inputs)
-and ``MUST_SWAP`` op outputs join the layer's swap group and follow the schedule.
+Built on torch.utils.checkpoint's non-reentrant frame, which already replays the RNG
+state (dropout) and the autocast state in recompute and stops recomputing early. Our
+parts:
+
+* a checkpoint region is also a layer invocation for the swap engine (a ``Region``), so
+  that ``swap_inputs`` (the inputs torch's frame saves for the recompute) and ``MUST_SWAP``
+  op outputs join the layer's swap group and follow the prefetch schedule;
+* per-op policies (``policy_fn``): two TorchDispatchModes over a C++ cache, handed to
+  torch's frame through ``context_fn`` and composed with the user's own ``context_fn``
+  (see ``_selective.py``).
 """
 
 from __future__ import annotations
@@ -14,70 +21,180 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from ._region import REGISTERED_ONLY, SWAP_ALL, Region
+from ._selective import compile_policy
 from ._swap import LayerCall, in_backward, resolve_layer
 from ._swap_manager import SwapManager
 from ._wrappers import ActivationWrapper, _refuse_double_wrap
+
+
+def _with_bound_kwargs(function, args: tuple, kwargs: dict):
+    """(callable, positional args) equivalent to ``function(*args, **kwargs)``.
+
+    The kwargs become trailing positional arguments, so that torch's frame keeps their
+    tensors as region inputs (saved through the swap hooks with ``swap_inputs``, and
+    used to find the devices whose RNG state is replayed), and so that a user kwarg
+    named like one of torch's own (``debug``, ``determinism_check``) is never taken by
+    torch.utils.checkpoint.
+    """
+    if not kwargs:
+        return function, args
+    names = tuple(kwargs)
+    n_pos = len(args)
+
+    def call(*flat):
+        return function(*flat[:n_pos], **dict(zip(names, flat[n_pos:])))
+
+    return call, (*args, *kwargs.values())
 
 
 def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=None,
                group_swap=False, **kwargs):
     """Runs ``function(*args, **kwargs)`` as a checkpoint region (non-reentrant).
 
+    The tensors ``function`` saves for backward are not kept: backward runs it again
+    (with the forward's RNG and autocast state) to rebuild them. With ``policy_fn``,
+    chosen op outputs are kept (``MUST_SAVE``/``PREFER_SAVE``) or offloaded to host
+    memory and reloaded for backward (``MUST_SWAP``) instead, and those ops are not run
+    again. The region is also a swap layer: when ``function`` is a module registered with
+    ``SwapManager().set_forward_prefetch_layer`` (or a :func:`checkpoint_wrapper` of one),
+    its swapped tensors follow the prefetch schedule.
+
     Args:
-        function: module or callable.
-        policy_fn: ``policy_fn(ctx, op, *args, **kwargs) -> CheckpointPolicy | bool`` or a
-            list of ops to save; ``None`` recomputes everything.
-        swap_inputs: also swap the region's saved inputs.
-        context_fn: returns ``(forward_ctx, recompute_ctx)``.
-        group_swap: fuse the region's small swapped tensors into few copies.
+        function: an ``nn.Module`` or callable.
+        *args, **kwargs: passed to ``function``; tensors may be given either way.
+        policy_fn: what to do with each ATen op's output inside the region:
+
+            * ``None``: recompute everything (full checkpoint);
+            * a callable ``policy_fn(ctx, op, *args, **kwargs)`` returning a
+              :class:`CheckpointPolicy`, a ``torch.utils.checkpoint.CheckpointPolicy``
+              (its ``*_CPU_OFFLOAD`` values mean ``MUST_SWAP``) or a bool (``True`` =
+              ``MUST_SAVE``, ``False`` = ``PREFER_RECOMPUTE``). ``ctx.is_recompute``
+              tells forward from recompute (the forward decision is replayed), and
+              ``ctx.op_output`` is the op's output in forward. ``op`` is a ``PolicyOp``:
+              ``op.name()`` and ``str(op)`` give ``"aten.addmm.default"`` and it compares
+              equal to ``torch.ops.aten.addmm.default`` (and to the packet
+              ``torch.ops.aten.addmm``);
+            * a list (tuple, set) of ops: ``MUST_SAVE`` for those, ``PREFER_RECOMPUTE``
+              for the rest. An op is an ``OpOverload`` (``torch.ops.aten.mm.default``),
+              an ``OpOverloadPacket`` (``torch.ops.aten.mm``: every overload) or a name
+              (``"aten.mm.default"``, ``"aten.mm"``);
+            * a dict op -> policy, ops as in a list; the key ``"*"`` sets the policy of
+              ops not listed (default ``PREFER_RECOMPUTE``).
+
+            Lists and dicts are evaluated in C++ with no Python call per op. Ops that
+            write their arguments, return views, or draw random numbers are always
+            replayed, whatever the policy (caching them would be wrong or useless).
+        swap_inputs: also swap the inputs the region keeps for its recompute.
+        context_fn: returns ``(forward_ctx, recompute_ctx)`` context managers entered
+            around the region's forward and its recompute, as in torch; with
+            ``policy_fn`` both apply (the user's contexts outside the policy's modes).
+        group_swap: fuse the region's small swapped tensors into few large copies.
 
     Returns:
-        What ``function`` returns.
+        What ``function`` returns (tensors nested in tuples, lists, dicts or dataclasses
+        keep their gradients).
+
+    Raises:
+        ValueError: for an invalid ``policy_fn`` entry, or (during forward) a policy
+            result that is not a policy; the message names the op and the value.
+        TypeError: when ``policy_fn`` or ``context_fn`` has the wrong type.
+        RuntimeError: in backward, when a cached op output was modified in place after
+            it was cached, or when the recompute runs different ops than the forward.
+
+    Example::
+
+        >>> def policy(ctx, op, *args, **kwargs):
+        ...     if op.name() in {"aten.mm.default", "aten.addmm.default"}:
+        ...         return CheckpointPolicy.MUST_SAVE
+        ...     return CheckpointPolicy.PREFER_RECOMPUTE
+        >>> y = checkpoint(block, x, policy_fn=policy)
+        >>> y = checkpoint(block, x, policy_fn=[torch.ops.aten.mm, torch.ops.aten.addmm])
     """
-    SwapManager()
-    if policy_fn is not None:
-        raise NotImplementedError("hyper_parallel: selective policies land with issue 4")
-    if in_backward():
+    SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP on first use
+    policy = compile_policy(policy_fn)
+    if context_fn is not None and not callable(context_fn):
+        raise TypeError("hyper_parallel: context_fn must be a callable returning "
+                        f"(forward_ctx, recompute_ctx); got {type(context_fn).__name__}")
+    if in_backward() or not torch.is_grad_enabled():
+        # Inference, or a region nested in another region's recompute: nothing is saved
+        # for a later backward here (torch's frame does the same without grad).
         return function(*args, **kwargs)
     node, name, excluded = resolve_layer(function)
     region = Region(node.layer_id if node is not None else -1, name,
                     SWAP_ALL if swap_inputs else REGISTERED_ONLY, None, group_swap, excluded)
     ckpt_kwargs = {"use_reentrant": False}
-    if context_fn is not None:
+    if policy is not None:
+        ckpt_kwargs["context_fn"] = policy.context_fn(context_fn)
+    elif context_fn is not None:
         ckpt_kwargs["context_fn"] = context_fn
+    call, call_args = _with_bound_kwargs(function, args, kwargs)
     with region:
-        out = torch_checkpoint.checkpoint(function, *args, **ckpt_kwargs, **kwargs)
+        out = torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
     region.attach_backward(out)
     return out
 
 
 class CheckpointWrapper(ActivationWrapper):
-    """Every call of the wrapped module is a :func:`checkpoint` call."""
+    """Every call of the wrapped module is a :func:`checkpoint` call (see
+    :func:`checkpoint_wrapper`)."""
 
     def __init__(self, module: nn.Module, **checkpoint_kwargs) -> None:
         super().__init__(module)
-        self._hp_checkpoint_kwargs = checkpoint_kwargs
+        self._hp_checkpoint_kwargs = _prepare_kwargs(checkpoint_kwargs)
 
     def forward(self, *args, **kwargs):
         inner = self._checkpoint_wrapped_module
-        if not torch.is_grad_enabled():
+        if in_backward() or not torch.is_grad_enabled():
             return inner(*args, **kwargs)
         return checkpoint(LayerCall(self, inner, inner), *args, **self._hp_checkpoint_kwargs,
                           **kwargs)
 
 
+_CHECKPOINT_OPTIONS = ("policy_fn", "swap_inputs", "context_fn", "group_swap")
+
+
+def _prepare_kwargs(checkpoint_kwargs: dict) -> dict:
+    unknown = sorted(set(checkpoint_kwargs) - set(_CHECKPOINT_OPTIONS))
+    if unknown:
+        raise TypeError(f"hyper_parallel: checkpoint_wrapper got unknown options {unknown}; "
+                        f"it accepts {list(_CHECKPOINT_OPTIONS)} (those of checkpoint()).")
+    out = dict(checkpoint_kwargs)
+    if out.get("policy_fn") is not None:
+        out["policy_fn"] = compile_policy(out["policy_fn"])  # validated once
+    return out
+
+
 def checkpoint_wrapper(module_or_fn, **checkpoint_kwargs):
-    """Wraps a module or callable so that every call is ``checkpoint(..., **checkpoint_kwargs)``."""
+    """Wraps a module or callable so that every call is ``checkpoint(..., **checkpoint_kwargs)``.
+
+    Args:
+        module_or_fn: an ``nn.Module`` (returns a transparent wrapper module: its
+            ``state_dict()`` keys, ``named_parameters()``, attributes and indexing are the
+            wrapped module's, and state dicts load across wrapped and unwrapped models) or
+            a callable (returns a function called the same way).
+        **checkpoint_kwargs: ``policy_fn``, ``swap_inputs``, ``context_fn``,
+            ``group_swap``, as in :func:`checkpoint`. A list or dict ``policy_fn`` is
+            validated here, once.
+
+    Returns:
+        The wrapper.
+
+    Raises:
+        ValueError: when ``module_or_fn`` is already wrapped by hyper_parallel (wrap each
+            module once), or for an invalid ``policy_fn`` entry.
+        TypeError: when it is neither a module nor callable, or for an unknown option.
+    """
+    kwargs = _prepare_kwargs(checkpoint_kwargs)
     if isinstance(module_or_fn, nn.Module):
-        return CheckpointWrapper(module_or_fn, **checkpoint_kwargs)
+        return CheckpointWrapper(module_or_fn, **kwargs)
     if not callable(module_or_fn):
         raise TypeError(f"hyper_parallel: checkpoint_wrapper expects an nn.Module or a callable, "
                         f"got {type(module_or_fn).__name__}")
     _refuse_double_wrap(module_or_fn)
 
     @functools.wraps(module_or_fn)
-    def wrapped(*args, **kwargs):
-        return checkpoint(target, *args, **checkpoint_kwargs, **kwargs)
+    def wrapped(*args, **call_kwargs):
+        return checkpoint(target, *args, **kwargs, **call_kwargs)
 
     target = LayerCall(wrapped, module_or_fn)
     wrapped._hp_wrapped_fn = module_or_fn

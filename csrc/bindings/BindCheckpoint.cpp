@@ -1,0 +1,203 @@
+#include "Bindings.h"
+
+#include "hyper_parallel/activation/CheckpointPolicy.h"
+#include "hyper_parallel/activation/OpPolicyTable.h"
+#include "hyper_parallel/activation/SacCache.h"
+#include "hyper_parallel/activation/SwapEngine.h"
+#include "hyper_parallel/common/Macros.h"
+
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace py = pybind11;
+
+namespace hyper_parallel::bindings {
+
+using namespace activation;
+
+namespace {
+
+// Converts one leaf of an op's output. Returns false for values the cache does not hold
+// (tensor subclasses such as DTensor or FakeTensor, SymInts, nested containers).
+bool leaf_to_ivalue(PyObject* obj, std::vector<c10::IValue>& out) {
+  if (obj == Py_None) {
+    out.emplace_back();
+  } else if (THPVariable_CheckExact(obj)) {
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (t.key_set().has(c10::DispatchKey::Python)) return false;
+    out.emplace_back(t);
+  } else if (PyBool_Check(obj)) {
+    out.emplace_back(obj == Py_True);
+  } else if (PyLong_CheckExact(obj)) {
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow != 0) return false;
+    out.emplace_back(static_cast<int64_t>(v));
+  } else if (PyFloat_CheckExact(obj)) {
+    out.emplace_back(PyFloat_AS_DOUBLE(obj));
+  } else {
+    return false;
+  }
+  return true;
+}
+
+bool to_ivalues(const py::handle& obj, std::vector<c10::IValue>& out, OutputKind& kind) {
+  PyObject* p = obj.ptr();
+  if (PyTuple_Check(p) || PyList_Check(p)) {
+    kind = PyTuple_Check(p) ? OutputKind::kTuple : OutputKind::kList;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(p);
+    PyObject** items = PySequence_Fast_ITEMS(p);
+    out.reserve(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!leaf_to_ivalue(items[i], out)) return false;
+    }
+    return true;
+  }
+  kind = OutputKind::kSingle;
+  return leaf_to_ivalue(p, out);
+}
+
+py::object from_ivalue(c10::IValue&& v) {
+  if (v.isTensor()) return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(v).toTensor()));
+  if (v.isNone()) return py::none();
+  if (v.isBool()) return py::bool_(v.toBool());
+  if (v.isInt()) return py::int_(v.toInt());
+  if (v.isDouble()) return py::float_(v.toDouble());
+  HP_INTERNAL_ASSERT(false, "unexpected cached value ", v.tagKind());
+  return py::none();
+}
+
+py::object from_replay(SacCache::Replay&& r) {
+  if (r.kind == OutputKind::kSingle) {
+    HP_INTERNAL_ASSERT(r.outputs.size() == 1, "a single output cached as ", r.outputs.size());
+    return from_ivalue(std::move(r.outputs[0]));
+  }
+  const size_t n = r.outputs.size();
+  if (r.kind == OutputKind::kTuple) {
+    py::tuple t(n);
+    for (size_t i = 0; i < n; ++i) t[i] = from_ivalue(std::move(r.outputs[i]));
+    return std::move(t);
+  }
+  py::list l(n);
+  for (size_t i = 0; i < n; ++i) l[i] = from_ivalue(std::move(r.outputs[i]));
+  return std::move(l);
+}
+
+// Whether the backward now running keeps its graph (retain_graph=True): then cached
+// outputs must survive this recompute for the next backward.
+bool backward_keeps_graph() { return torch::autograd::get_current_graph_task_keep_graph(); }
+
+}  // namespace
+
+void bind_checkpoint(py::module_& m) {
+  m.def("intern_op", [](const std::string& name) { return OpNames::intern(name); },
+        py::arg("name"),
+        "Small integer key of an op name ('aten.mm.default'; 'aten::mm' spellings are "
+        "normalised). Keys are process-wide and stable.");
+  m.def("op_name", [](int64_t key) { return OpNames::name(key); }, py::arg("key"),
+        "The op name of a key returned by intern_op.");
+
+  py::class_<OpPolicyTable, std::shared_ptr<OpPolicyTable>>(m, "OpPolicyTable", R"doc(
+Declarative selective-checkpoint policy: op name -> CheckpointPolicy, evaluated in C++.
+Names are 'ns.op.overload' (one overload) or 'ns.op' (every overload of the op); ops in
+neither get the default. See csrc/hyper_parallel/activation/OpPolicyTable.h.)doc")
+      .def(py::init<CheckpointPolicy>(), py::arg("default") = CheckpointPolicy::PREFER_RECOMPUTE)
+      .def("set", &OpPolicyTable::set, py::arg("name"), py::arg("policy"))
+      .def_property("default", &OpPolicyTable::default_policy, &OpPolicyTable::set_default)
+      .def("lookup", &OpPolicyTable::lookup, py::arg("op_name"),
+           "Policy of the op with this full name ('aten.mm.default').")
+      .def("policy_for", &OpPolicyTable::policy_for, py::arg("op_key"))
+      .def("entries", &OpPolicyTable::entries)
+      .def("__len__", &OpPolicyTable::size)
+      .def("__repr__", [](const OpPolicyTable& t) {
+        std::string s = "OpPolicyTable({";
+        bool first = true;
+        for (const auto& e : t.entries()) {
+          s += (first ? "'" : ", '") + e.first + "': " + to_string(e.second);
+          first = false;
+        }
+        return s + "}, default=" + to_string(t.default_policy()) + ")";
+      });
+
+  // Returned by SacCache.replay when the op must run again.
+  static py::object* recompute_marker = new py::object(
+      py::module_::import("builtins").attr("object")());
+  m.attr("SAC_RECOMPUTE") = *recompute_marker;
+
+  py::class_<SacCache, std::shared_ptr<SacCache>>(m, "SacCache", R"doc(
+State of one selective-checkpoint region invocation: per (op, call index) either a
+'recompute' marker, cached outputs, or swap handles (MUST_SWAP). See
+csrc/hyper_parallel/activation/SacCache.h.)doc")
+      .def(py::init([](std::shared_ptr<OpPolicyTable> table) {
+             return std::make_shared<SacCache>(std::move(table));
+           }),
+           py::arg("table") = nullptr)
+      .def_property_readonly("table", [](const SacCache& c) {
+        return std::const_pointer_cast<OpPolicyTable>(c.table());
+      })
+      .def("record",
+           [](SacCache& c, int64_t op_key, const py::handle& out, const py::object& policy) {
+             const CheckpointPolicy p =
+                 policy.is_none() ? c.table_policy(op_key) : policy.cast<CheckpointPolicy>();
+             std::vector<c10::IValue> values;
+             OutputKind kind = OutputKind::kSingle;
+             if (is_recompute(p)) {
+               c.record(op_key, p, values, kind, nullptr);
+               return true;
+             }
+             if (!to_ivalues(out, values, kind)) {
+               c.record(op_key, CheckpointPolicy::PREFER_RECOMPUTE, {}, kind, nullptr);
+               return false;
+             }
+             std::shared_ptr<SwapGroup> group;
+             if (is_swap(p)) group = SwapEngine::global().current_group();
+             c.record(op_key, p, values, kind, group);
+             return true;
+           },
+           py::arg("op_key"), py::arg("output"), py::arg("policy") = py::none(),
+           "Records the next call of op_key in forward with `policy` (None: the table's). "
+           "Returns False when the output could not be cached (a tensor subclass, SymInt, ...) "
+           "and the call was recorded as 'recompute' instead.")
+      .def("end_forward",
+           [](SacCache& c) {
+             py::list out;
+             for (const auto& d : c.end_forward()) {
+               out.append(py::make_tuple(OpNames::name(d.op_key), d.call, d.policy));
+             }
+             return out;
+           },
+           "Demotes to 'recompute' the cached entries modified in place during the forward; "
+           "returns [(op name, call index, requested policy)] of those.")
+      .def("begin_recompute", &SacCache::begin_recompute)
+      .def("replay",
+           [](SacCache& c, int64_t op_key) -> py::object {
+             const bool retain = backward_keeps_graph();
+             SacCache::Replay r;
+             {
+               py::gil_scoped_release no_gil;  // may wait for a reload
+               r = c.replay(op_key, retain);
+             }
+             if (r.recompute) return *recompute_marker;
+             return from_replay(std::move(r));
+           },
+           py::arg("op_key"),
+           "The cached outputs of the next call of op_key in this recompute pass, or "
+           "SAC_RECOMPUTE when the op must run again.")
+      .def("stats", [](const SacCache& c) {
+        const SacCacheStats s = c.stats();
+        py::dict d;
+        d["recompute_entries"] = s.recompute_entries;
+        d["saved_entries"] = s.saved_entries;
+        d["swapped_entries"] = s.swapped_entries;
+        d["dropped_entries"] = s.dropped_entries;
+        d["saved_tensors"] = s.saved_tensors;
+        d["swapped_tensors"] = s.swapped_tensors;
+        d["replays"] = s.replays;
+        return d;
+      })
+      .def("cached_tensors", &SacCache::cached_tensors, py::arg("swapped") = false,
+           "Fresh aliases of the live cached tensors (swapped ones, or those kept on device).")
+      .def("clear", &SacCache::clear);
+}
+
+}  // namespace hyper_parallel::bindings

@@ -1,0 +1,193 @@
+#include "hyper_parallel/activation/SacCache.h"
+
+#include "hyper_parallel/activation/SavedBytesMeter.h"
+#include "hyper_parallel/activation/SwapEngine.h"
+#include "hyper_parallel/common/Macros.h"
+
+namespace hyper_parallel::activation {
+
+SacCache::SacCache(std::shared_ptr<const OpPolicyTable> table, SwapEngine* engine)
+    : table_(std::move(table)), engine_(engine) {}
+
+SacCache::~SacCache() = default;
+
+SwapEngine& SacCache::engine() const { return engine_ ? *engine_ : SwapEngine::global(); }
+
+CheckpointPolicy SacCache::table_policy(int64_t op_key) const {
+  HP_CHECK(table_ != nullptr, "this selective-checkpoint cache has no policy table; pass the "
+           "policy explicitly (internal use: SacCache(table) or record(..., policy))");
+  return table_->policy_for(op_key);
+}
+
+int64_t SacCache::record(int64_t op_key, CheckpointPolicy policy,
+                         const std::vector<c10::IValue>& outputs, OutputKind kind,
+                         const std::shared_ptr<SwapGroup>& group) {
+  HP_CHECK_VALUE(op_key >= 0, "invalid op key ", op_key);
+  Entry entry;
+  entry.kind = kind;
+  entry.policy = policy;
+  if (!is_recompute(policy)) {
+    entry.state = State::kCached;
+    entry.slots.reserve(outputs.size());
+    SavedBytesMeter* meter = SavedBytesMeter::active();
+    for (const auto& v : outputs) {
+      Slot slot;
+      if (v.isTensor() && v.toTensor().defined()) {
+        const at::Tensor& t = v.toTensor();
+        if (is_swap(policy) && group) slot.handle = engine().pack(group, t, PackMode::kSwapAll);
+        if (!slot.handle) {
+          slot.value = t.tensor_data();
+          slot.version = t._version();
+        }
+        if (meter) meter->observe(t);
+      } else if (!v.isTensor()) {
+        slot.value = v;  // None, int, double, bool (an undefined tensor stays None)
+      }
+      entry.slots.push_back(std::move(slot));
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (static_cast<size_t>(op_key) >= entries_.size()) entries_.resize(op_key + 1);
+  auto& calls = entries_[op_key];
+  calls.push_back(std::move(entry));
+  return static_cast<int64_t>(calls.size()) - 1;
+}
+
+std::vector<SacCache::Demoted> SacCache::end_forward() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Demoted> out;
+  for (size_t op = 0; op < entries_.size(); ++op) {
+    auto& calls = entries_[op];
+    for (size_t i = 0; i < calls.size(); ++i) {
+      Entry& e = calls[i];
+      if (e.state != State::kCached) continue;
+      bool mutated = false;
+      for (const auto& slot : e.slots) {
+        if (slot.handle) {
+          mutated |= slot.handle->alias()._version() != slot.handle->saved_version();
+        } else if (slot.value.isTensor()) {
+          mutated |= slot.value.toTensor()._version() != slot.version;
+        }
+      }
+      if (!mutated) continue;
+      e.slots.clear();
+      e.state = State::kRecompute;
+      out.push_back(Demoted{static_cast<int64_t>(op), static_cast<int64_t>(i), e.policy});
+    }
+  }
+  return out;
+}
+
+void SacCache::begin_recompute() {
+  std::lock_guard<std::mutex> lock(mu_);
+  replay_calls_.assign(entries_.size(), 0);
+}
+
+SacCache::Replay SacCache::replay(int64_t op_key, bool retain) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HP_CHECK_VALUE(op_key >= 0, "invalid op key ", op_key);
+  if (static_cast<size_t>(op_key) >= replay_calls_.size()) replay_calls_.resize(op_key + 1, 0);
+  const int64_t index = replay_calls_[op_key]++;
+  const size_t recorded =
+      static_cast<size_t>(op_key) < entries_.size() ? entries_[op_key].size() : 0;
+  HP_CHECK(static_cast<size_t>(index) < recorded, "the recompute of a selective checkpoint "
+           "region ran ", OpNames::name(op_key), " (call #", index, ") but its forward ran it ",
+           recorded, " time(s). A checkpointed function must run the same ops in the same order "
+           "when it is recomputed: avoid data-dependent control flow and global state that "
+           "changes between forward and backward, or use full recompute (policy_fn=None).");
+  Entry& entry = entries_[op_key][index];
+  Replay out;
+  out.kind = entry.kind;
+  if (entry.state == State::kRecompute) return out;
+  HP_CHECK(entry.state != State::kDropped, "the output of ", OpNames::name(op_key), " (call #",
+           index, ") cached by selective checkpoint was already used and released by an earlier "
+           "backward. To run backward twice through a selective checkpoint region, pass "
+           "retain_graph=True to the first backward.");
+  out.recompute = false;
+  out.outputs.reserve(entry.slots.size());
+  for (const auto& slot : entry.slots) {
+    if (slot.handle) {
+      const at::Tensor& alias = slot.handle->alias();
+      HP_CHECK(alias._version() == slot.handle->saved_version(), "the output of ",
+               OpNames::name(op_key), " (call #", index, ", shape ", alias.sizes(),
+               ") that selective checkpoint swapped (MUST_SWAP) was modified in place after it "
+               "was cached (version ", slot.handle->saved_version(), " -> ", alias._version(),
+               "), so backward would read a stale value. Clone it before the in-place op, or "
+               "let the policy recompute this op.");
+      out.outputs.emplace_back(engine().unpack(*slot.handle).tensor_data());
+    } else if (slot.value.isTensor()) {
+      const at::Tensor& t = slot.value.toTensor();
+      HP_CHECK(t._version() == slot.version, "the output of ", OpNames::name(op_key), " (call #",
+               index, ", shape ", t.sizes(), ") that selective checkpoint cached was modified in "
+               "place after it was cached (version ", slot.version, " -> ", t._version(),
+               "), so backward would read a stale value. Clone it before the in-place op, or "
+               "let the policy recompute this op (PREFER_RECOMPUTE).");
+      out.outputs.emplace_back(t.tensor_data());
+    } else {
+      out.outputs.push_back(slot.value);
+    }
+  }
+  ++replays_;
+  if (!retain) {
+    entry.slots.clear();
+    entry.slots.shrink_to_fit();
+    entry.state = State::kDropped;
+  }
+  return out;
+}
+
+SacCacheStats SacCache::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  SacCacheStats s;
+  for (const auto& calls : entries_) {
+    for (const auto& e : calls) {
+      switch (e.state) {
+        case State::kRecompute: ++s.recompute_entries; continue;
+        case State::kDropped: ++s.dropped_entries; continue;
+        case State::kCached: break;
+      }
+      bool swapped = false;
+      for (const auto& slot : e.slots) {
+        if (slot.handle) {
+          swapped = true;
+          ++s.swapped_tensors;
+        } else if (slot.value.isTensor()) {
+          ++s.saved_tensors;
+        }
+      }
+      ++(swapped ? s.swapped_entries : s.saved_entries);
+    }
+  }
+  s.replays = replays_;
+  return s;
+}
+
+std::vector<at::Tensor> SacCache::cached_tensors(bool swapped) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<at::Tensor> out;
+  for (const auto& calls : entries_) {
+    for (const auto& e : calls) {
+      for (const auto& slot : e.slots) {
+        if (swapped && slot.handle) out.push_back(slot.handle->alias().tensor_data());
+        if (!swapped && !slot.handle && slot.value.isTensor()) {
+          out.push_back(slot.value.toTensor().tensor_data());
+        }
+      }
+    }
+  }
+  return out;
+}
+
+void SacCache::clear() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& calls : entries_) {
+    for (auto& e : calls) {
+      if (e.state == State::kCached) {
+        e.slots.clear();
+        e.state = State::kDropped;
+      }
+    }
+  }
+}
+
+}  // namespace hyper_parallel::activation

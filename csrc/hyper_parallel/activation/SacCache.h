@@ -1,0 +1,154 @@
+#pragma once
+// SacCache: the state of ONE selective-checkpoint region invocation (SPEC 2).
+//
+// A checkpoint region with a per-op policy runs its forward under a caching dispatch
+// mode and its recompute (in backward) under a cached mode; both are thin Python shells
+// around one SacCache. Forward appends, for every call of an op, an entry keyed by
+// (op key, call index):
+//   * recompute   - a marker: the op runs again during recompute;
+//   * saved       - aliases of the op's output tensors (Tensor::tensor_data(): same
+//                   storage and version counter, no autograd history, so no reference
+//                   cycle), each with the version seen when it was cached;
+//   * swapped     - MUST_SWAP: a SavedHandle of each output tensor, packed into the
+//                   region's swap group, so the layer schedule offloads it after the
+//                   forward and prefetches it before the backward. The cache holds only
+//                   the handle (counted in the record's alias_refs), never another strong
+//                   tensor reference, so the engine may free the device storage.
+// Recompute walks the same sequence: replay(op) returns "run it" or the cached outputs
+// (swapped ones are made resident through SwapEngine::unpack, reloading on demand). A
+// cached tensor modified in place after the region's forward is an error, never a stale
+// value. One modified in place WITHIN the forward (e.g. empty_like filled by bernoulli_,
+// or `h = x @ w; h.mul_(2)`) is demoted to "recompute" by end_forward(): the recompute
+// then replays the op and the writes after it, which rebuilds the right value.
+//
+// Lifetime and retain_graph: the cache lives as long as the region's autograd graph (its
+// modes are owned by torch's checkpoint frame). After a replay the entry is dropped, so
+// its memory goes as soon as backward no longer needs it, unless the caller says the
+// graph is retained (retain_graph=True), in which case the entry stays for the next
+// backward. Replaying a dropped entry raises a clear error.
+//
+// Non-tensor outputs (None, int, double, bool) are cached as values.
+//
+// Thread-safety: thread-safe; one mutex per cache. Forward and recompute of one region
+// may run on different threads (the autograd engine's); replay may block on a reload
+// while holding this cache's mutex (never the engine's).
+
+#include "hyper_parallel/activation/CheckpointPolicy.h"
+#include "hyper_parallel/activation/OpPolicyTable.h"
+#include "hyper_parallel/activation/SavedHandle.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace hyper_parallel::activation {
+
+class SwapEngine;
+class SwapGroup;
+
+// How an op returned its outputs (so the cached mode returns the same Python shape).
+enum class OutputKind : uint8_t {
+  kSingle = 0,  // one value (a tensor, a scalar or None)
+  kTuple = 1,   // a tuple of values
+  kList = 2,    // a list of values (e.g. Tensor[])
+};
+
+struct SacCacheStats {
+  int64_t recompute_entries = 0;  // calls marked "run again"
+  int64_t saved_entries = 0;      // calls whose outputs are cached on device
+  int64_t swapped_entries = 0;    // calls with at least one swapped output
+  int64_t dropped_entries = 0;    // cached calls already replayed and released
+  int64_t saved_tensors = 0;      // live cached tensors kept on device
+  int64_t swapped_tensors = 0;    // live swap handles
+  int64_t replays = 0;            // cached outputs handed back in recompute
+};
+
+class SacCache {
+ public:
+  // `table`: the declarative policy used by table_policy() (may be null). `engine`: the
+  // engine that packs and unpacks MUST_SWAP outputs (null: SwapEngine::global()).
+  explicit SacCache(std::shared_ptr<const OpPolicyTable> table = nullptr,
+                    SwapEngine* engine = nullptr);
+  ~SacCache();
+  SacCache(const SacCache&) = delete;
+  SacCache& operator=(const SacCache&) = delete;
+
+  const std::shared_ptr<const OpPolicyTable>& table() const { return table_; }
+  // The table's policy for `op_key`. Throws c10::Error when the cache has no table.
+  CheckpointPolicy table_policy(int64_t op_key) const;
+
+  // --- forward (caching mode) ---------------------------------------------------------
+  // Records the next call of `op_key` with `policy`; returns its call index.
+  //  * MUST_SAVE / PREFER_SAVE: keeps aliases of the tensors in `outputs`;
+  //  * MUST_SWAP: packs each tensor into `group` (SwapEngine::pack, kSwapAll); a tensor the
+  //    engine does not swap (ineligible, excluded, or no group) is kept as saved;
+  //  * MUST_RECOMPUTE / PREFER_RECOMPUTE: records the marker only (`outputs` unused).
+  // Cached tensors are reported to the active SavedBytesMeter (they are saved activations).
+  int64_t record(int64_t op_key, CheckpointPolicy policy, const std::vector<c10::IValue>& outputs,
+                 OutputKind kind, const std::shared_ptr<SwapGroup>& group);
+
+  struct Demoted {
+    int64_t op_key;
+    int64_t call;
+    CheckpointPolicy policy;  // what the policy asked for
+  };
+  // The region's forward is over: every cached entry with a tensor modified in place since
+  // it was cached becomes "recompute" and releases its tensors. Returns those entries.
+  // Call it before the region's swap group is released.
+  std::vector<Demoted> end_forward();
+
+  // --- recompute (cached mode) ----------------------------------------------------------
+  // Starts a recompute pass: call indices restart at 0.
+  void begin_recompute();
+
+  struct Replay {
+    bool recompute = true;  // true: run the op; false: `outputs` are the cached values
+    OutputKind kind = OutputKind::kSingle;
+    std::vector<c10::IValue> outputs;  // fresh aliases (no autograd history)
+  };
+  // The next call of `op_key` in this pass. `retain`: keep the entry for another backward
+  // (retain_graph=True); otherwise it is released after this replay.
+  // Throws c10::Error ("hyper_parallel: ...") when forward did not run this call (the
+  // recomputed op sequence differs), when the entry was released by an earlier backward,
+  // or when a cached tensor was modified in place after it was cached.
+  Replay replay(int64_t op_key, bool retain);
+
+  // --- introspection (tests, debugging) -------------------------------------------------
+  SacCacheStats stats() const;
+  // Fresh aliases of the live cached tensors: swapped ones (`swapped`) or saved ones.
+  // Holding them keeps their storages referenced; drop them before the engine frees.
+  std::vector<at::Tensor> cached_tensors(bool swapped) const;
+  // Releases every entry (the cache stays usable; later replays raise).
+  void clear();
+
+ private:
+  struct Slot {
+    c10::IValue value;                    // saved tensor alias, or a non-tensor value
+    std::shared_ptr<SavedHandle> handle;  // swapped tensor
+    uint32_t version = 0;                 // saved tensor: version when cached
+  };
+  enum class State : uint8_t { kRecompute, kCached, kDropped };
+  struct Entry {
+    State state = State::kRecompute;
+    CheckpointPolicy policy = CheckpointPolicy::PREFER_RECOMPUTE;
+    OutputKind kind = OutputKind::kSingle;
+    std::vector<Slot> slots;
+  };
+
+  SwapEngine& engine() const;
+
+  mutable std::mutex mu_;
+  std::shared_ptr<const OpPolicyTable> table_;
+  SwapEngine* engine_;
+  // entries_[op_key][call index], as recorded by forward. op keys are small and dense.
+  std::vector<std::vector<Entry>> entries_;
+  // replay_calls_[op_key]: calls replayed in the current recompute pass.
+  std::vector<int64_t> replay_calls_;
+  int64_t replays_ = 0;
+};
+
+}  // namespace hyper_parallel::activation
