@@ -287,6 +287,16 @@ class SelectivePolicy:
         self.table = table
         self.fn = fn
 
+    def __deepcopy__(self, memo):
+        return self  # immutable once prepared: a deep-copied wrapper shares it
+
+    def __reduce__(self):
+        # The C++ table is rebuilt from its entries (torch.save of a wrapped model).
+        if self.table is None:
+            return (SelectivePolicy, (None, self.fn))
+        entries = [(name, int(policy)) for name, policy in self.table.entries()]
+        return (_policy_from_entries, (entries, int(self.table.default)))
+
     def context_fn(self, user_context_fn=None):
         """A ``context_fn`` for torch's checkpoint: a fresh cache per region invocation,
         composed with the user's ``(forward_ctx, recompute_ctx)`` (theirs outside)."""
@@ -301,6 +311,13 @@ class SelectivePolicy:
             return _Nested(user_forward, forward), _Nested(user_recompute, recompute)
 
         return make_contexts
+
+
+def _policy_from_entries(entries, default) -> SelectivePolicy:
+    table = _C.OpPolicyTable(_C.policy_from_int(default))
+    for name, policy in entries:
+        table.set(name, _C.policy_from_int(policy))
+    return SelectivePolicy(table=table)
 
 
 def _op_names(item, what: str) -> str:

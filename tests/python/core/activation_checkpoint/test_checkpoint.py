@@ -169,6 +169,64 @@ def test_selective_must_swap_with_prefetch_chain(cpu_swap_backend, caches):
     assert stats["on_demand_reloads"] == 0  # every reload was a prefetch of the schedule
 
 
+def test_must_swap_with_group_swap_fuses_the_copies(cpu_swap_backend):
+    ref, model = make_pair(layers=3, policy_fn={"aten.addmm": CheckpointPolicy.MUST_SWAP},
+                           group_swap=True)
+    chain(model)
+
+    def after_forward(step):
+        cpu_swap_backend.synchronize()
+        stats = cpu_swap_backend.stats()
+        # The two small outputs of each released layer travel in one fused copy, out in
+        # every forward and back in every earlier backward.
+        assert stats["offload_count"] == (step + 1) * 4
+        assert stats["fused_copies"] == (step + 1) * 2 + step * 2
+
+    train_and_compare(ref, model, after_forward=after_forward)
+    assert cpu_swap_backend.stats()["on_demand_reloads"] == 0
+
+
+def test_selective_submodule_inside_scheduled_layers(cpu_swap_backend, caches):
+    """The guide's composition: the chain is registered over plain layers, and a submodule
+    of each is checkpoint-wrapped with MUST_SWAP: its outputs join the layer's group."""
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.ReLU(), nn.Linear(2 * D, D))
+
+        def forward(self, x):
+            return torch.tanh(x + self.mlp(x))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x.pow(2).sum()
+
+    torch.manual_seed(0)
+    ref = Net()
+    model = Net()
+    model.load_state_dict(ref.state_dict())
+    for layer in model.layers:
+        layer.mlp = checkpoint_wrapper(layer.mlp, policy_fn={"aten.addmm": CheckpointPolicy.MUST_SWAP})
+    chain(model)
+
+    def after_forward(step):
+        cpu_swap_backend.synchronize()
+        sizes = [[t.untyped_storage().nbytes() for t in c.cached_tensors(swapped=True)]
+                 for c in caches]
+        assert sizes == [[0, 0]] * 3 + [[4 * 2 * D * 4, 4 * D * 4]]
+        caches.clear()
+
+    train_and_compare(ref, model, after_forward=after_forward)
+    assert cpu_swap_backend.stats()["on_demand_reloads"] == 0
+
+
 def test_checkpoint_swap_inputs_with_prefetch_chain(cpu_swap_backend):
     ref, model = make_pair(layers=4, swap_inputs=True)
     chain(model)
