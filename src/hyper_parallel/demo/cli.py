@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> list[
             f"MLP {config.intermediate_size}, {run_info['parameters'] / 1e6:.2f} M parameters; "
             f"{args.batch} x {args.seq_len} byte tokens per step from "
             f"{tokens.numel() / 1e6:.2f} MB of {stdlib_dir()}/*.py; {args.steps} steps per "
-            f"strategy on {device} ({torch.get_num_threads()} torch thread{'s' if torch.get_num_threads() != 1 else ''}).")
+            f"strategy on {device} ({_plural(torch.get_num_threads(), 'torch thread')}).")
 
         results = []
         with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
@@ -180,6 +180,10 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> list[
         console.print(f"wrote {args.plot}")
     console.print(f"total wall time {run_info['wall_seconds']:.1f} s (after imports)")
     return records
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def parameter_count_from_state(state: dict) -> int:

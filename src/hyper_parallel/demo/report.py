@@ -29,8 +29,27 @@ device peak        : accelerator allocator peak during a step minus what was all
 
 
 def build_records(results: list[StrategyResult], run_info: dict) -> list[dict]:
-    """One JSON-ready record per strategy (SPEC 7 keys first; bytes in bytes, seconds in
-    seconds). Differences are taken against the "none" run when there is one."""
+    """One JSON-ready record per strategy. Differences are against the "none" run (``None``
+    when it was not run).
+
+    Keys (bytes in bytes, times in seconds):
+
+    * ``strategy``; ``description``.
+    * ``peak_saved_bytes``: saved-activation peak of the whole model over forward and
+      backward; ``layers_peak_saved_bytes``: the decoder layers' part alone;
+      ``layers_peak_ratio_vs_none``: the latter over that of "none".
+    * ``offload_bytes``: bytes offloaded per step (median); ``offload_bytes_per_step``.
+    * ``step_seconds``: median step time; ``step_seconds_all``: every step;
+      ``step_seconds_min``: the fastest (least disturbed by other processes).
+    * ``losses``: the loss of every step; ``final_loss``; ``max_abs_loss_diff``: largest
+      absolute difference from "none"'s loss at the same step; ``losses_bitwise_equal_none``;
+      ``max_abs_param_diff``: largest absolute difference of the trained weights.
+    * ``device_peak_bytes`` / ``device_step_peak_bytes``: the accelerator allocator's peak
+      in a step, absolute / above what was allocated before it (``None`` on CPU).
+    * ``swap_stats``: ``SwapManager().stats()`` counters accumulated over the run
+      (``*_at_end``: left at the end, expected 0).
+    * ``run``: the configuration and environment (same in every record).
+    """
     base = next((r for r in results if r.strategy == "none"), None)
     records = []
     for r in results:
@@ -49,6 +68,7 @@ def build_records(results: list[StrategyResult], run_info: dict) -> list[dict]:
             "max_abs_param_diff": None,
             "offload_bytes_per_step": r.offload_bytes_per_step,
             "step_seconds_all": r.step_seconds_all,
+            "step_seconds_min": min(r.step_seconds_all) if r.step_seconds_all else None,
             "device_peak_bytes": r.device_peak_bytes,
             "device_step_peak_bytes": r.device_step_peak_bytes,
             "swap_stats": r.swap_stats,

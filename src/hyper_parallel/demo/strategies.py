@@ -114,7 +114,8 @@ def parse_strategies(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown or not names:
-        raise ValueError(f"hyper_parallel: unknown strategy {', '.join(unknown) or '(none given)'}; "
+        given = ", ".join(unknown) or "(none given)"
+        raise ValueError(f"hyper_parallel: unknown strategy {given}; "
                          f"choose from {', '.join(STRATEGIES)}")
     return list(dict.fromkeys(names))
 
