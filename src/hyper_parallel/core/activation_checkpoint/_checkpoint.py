@@ -47,6 +47,13 @@ def _with_bound_kwargs(function, args: tuple, kwargs: dict):
     return call, (*args, *kwargs.values())
 
 
+def _in_checkpoint_forward() -> bool:
+    """True inside the forward of a torch.utils.checkpoint region (ours are built on it):
+    the innermost saved-tensor hooks are its frame's."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and getattr(top[0], "__module__", None) == torch_checkpoint.__name__
+
+
 def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=None,
                group_swap=False, **kwargs):
     """Runs ``function(*args, **kwargs)`` as a checkpoint region (non-reentrant).
@@ -115,19 +122,28 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     if context_fn is not None and not callable(context_fn):
         raise TypeError("hyper_parallel: context_fn must be a callable returning "
                         f"(forward_ctx, recompute_ctx); got {type(context_fn).__name__}")
-    if in_backward() or not torch.is_grad_enabled():
-        # Inference, or a region nested in another region's recompute: nothing is saved
-        # for a later backward here (torch's frame does the same without grad).
+    if not torch.is_grad_enabled():
+        # Inference: nothing is saved for backward (torch's frame does the same).
         return function(*args, **kwargs)
-    node, name, excluded = resolve_layer(function)
-    region = Region(node.layer_id if node is not None else -1, name,
-                    SWAP_ALL if swap_inputs else REGISTERED_ONLY, None, group_swap, excluded)
     ckpt_kwargs = {"use_reentrant": False}
     if policy is not None:
         ckpt_kwargs["context_fn"] = policy.context_fn(context_fn)
     elif context_fn is not None:
         ckpt_kwargs["context_fn"] = context_fn
     call, call_args = _with_bound_kwargs(function, args, kwargs)
+    if in_backward():
+        # A region nested in an enclosing region that backward is recomputing: it must be
+        # a checkpoint again, so that the enclosing frame sees the same saved tensors as
+        # in its forward (torch's nesting rules), but it starts no swap group: the swap
+        # schedule belongs to forward (MUST_SWAP outputs are kept on device here).
+        return torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
+    node, name, excluded = resolve_layer(function)
+    # Inside the forward of an enclosing checkpoint, this region's inputs must reach the
+    # enclosing frame's saved-tensor hook (it recomputes them), so push no hooks of ours.
+    pack_mode = None if _in_checkpoint_forward() else (SWAP_ALL if swap_inputs else
+                                                        REGISTERED_ONLY)
+    region = Region(node.layer_id if node is not None else -1, name, pack_mode, None,
+                    group_swap, excluded)
     with region:
         out = torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
     region.attach_backward(out)
@@ -144,7 +160,7 @@ class CheckpointWrapper(ActivationWrapper):
 
     def forward(self, *args, **kwargs):
         inner = self._checkpoint_wrapped_module
-        if in_backward() or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
         return checkpoint(LayerCall(self, inner, inner), *args, **self._hp_checkpoint_kwargs,
                           **kwargs)

@@ -447,6 +447,37 @@ def test_retain_graph_second_backward(policy, cpu_swap_backend):
     assert_equal_tensors([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()])
 
 
+@pytest.mark.parametrize("outer_policy", [None, MATMULS], ids=["outer_full", "outer_selective"])
+@pytest.mark.parametrize("inner_policy", [None, MATMULS, "torch"],
+                         ids=["inner_full", "inner_selective", "inner_torch"])
+def test_nested_checkpoints(outer_policy, inner_policy):
+    torch.manual_seed(0)
+    w1 = torch.randn(D, D, requires_grad=True)
+    w2 = torch.randn(D, D, requires_grad=True)
+
+    def inner(h):
+        return torch.tanh(h @ w2)
+
+    def outer(x, nest):
+        h = torch.relu(x @ w1)
+        if nest == "torch":
+            h = torch.utils.checkpoint.checkpoint(inner, h, use_reentrant=False)
+        elif nest == "ours":
+            h = checkpoint(inner, h, policy_fn=None if inner_policy == "torch" else inner_policy)
+        else:
+            h = inner(h)
+        return torch.sigmoid(h @ w1)
+
+    x = torch.randn(4, D, requires_grad=True)
+    g_ref = torch.autograd.grad(outer(x, None).sum(), [x, w1, w2])
+    nest = "torch" if inner_policy == "torch" else "ours"
+    out = checkpoint(outer, x, nest, policy_fn=outer_policy)
+    assert_equal_tensors(torch.autograd.grad(out.sum(), [x, w1, w2]), g_ref)
+    # and ours inside torch's own checkpoint
+    out = torch.utils.checkpoint.checkpoint(outer, x, "ours", use_reentrant=False)
+    assert_equal_tensors(torch.autograd.grad(out.sum(), [x, w1, w2]), g_ref)
+
+
 def test_no_grad_runs_the_function_plainly():
     calls = []
 
