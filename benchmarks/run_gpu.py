@@ -265,8 +265,9 @@ def main(argv=None) -> None:
           f"{args.kv_heads} kv, ffn {args.ffn}, batch {args.batch} x seq {args.seq}, {args.dtype}")
 
     torch.manual_seed(0)
-    model = LlamaStack(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn,
-                       args.seq).to(args.device, dtype)
+    with torch.device(args.device):  # initialise on the device: GPU-sized layers are slow on CPU
+        model = LlamaStack(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn,
+                           args.seq).to(dtype)
     x = torch.randn(args.batch, args.seq, args.hidden, device=args.device, dtype=dtype,
                     requires_grad=True)
     params = list(model.parameters())
