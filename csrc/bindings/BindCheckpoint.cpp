@@ -58,7 +58,9 @@ bool to_ivalues(const py::handle& obj, std::vector<c10::IValue>& out, OutputKind
 }
 
 py::object from_ivalue(c10::IValue&& v) {
-  if (v.isTensor()) return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(v).toTensor()));
+  if (v.isTensor()) {
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(v).toTensor()));
+  }
   if (v.isNone()) return py::none();
   if (v.isBool()) return py::bool_(v.toBool());
   if (v.isInt()) return py::int_(v.toInt());

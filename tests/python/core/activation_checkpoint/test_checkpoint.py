@@ -213,7 +213,8 @@ def test_selective_submodule_inside_scheduled_layers(cpu_swap_backend, caches):
     model = Net()
     model.load_state_dict(ref.state_dict())
     for layer in model.layers:
-        layer.mlp = checkpoint_wrapper(layer.mlp, policy_fn={"aten.addmm": CheckpointPolicy.MUST_SWAP})
+        layer.mlp = checkpoint_wrapper(layer.mlp,
+                                       policy_fn={"aten.addmm": CheckpointPolicy.MUST_SWAP})
     chain(model)
 
     def after_forward(step):

@@ -57,9 +57,12 @@ def assert_equal_tensors(a_list, b_list):
         assert torch.equal(a, b)
 
 
+def save_all(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.PREFER_SAVE
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"policy_fn": [torch.ops.aten.addmm]},
-                                    {"policy_fn": lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_SAVE}],
-                         ids=["full", "list", "save_all"])
+                                    {"policy_fn": save_all}], ids=["full", "list", "save_all"])
 def test_wrapped_model_trains_like_the_original(kwargs):
     torch.manual_seed(0)
     ref = Model()
@@ -72,7 +75,8 @@ def test_wrapped_model_trains_like_the_original(kwargs):
         loss_ref.backward()
         loss.backward()
         assert torch.equal(loss, loss_ref)
-        assert_equal_tensors((p.grad for p in model.parameters()), (p.grad for p in ref.parameters()))
+        assert_equal_tensors((p.grad for p in model.parameters()),
+                             (p.grad for p in ref.parameters()))
         opt_ref.step()
         opt.step()
         opt_ref.zero_grad()
@@ -139,8 +143,8 @@ def test_tensor_kwargs_through_a_module_wrapper():
 def test_double_wrapping_is_refused():
     block = Block()
     once = checkpoint_wrapper(block)
-    with pytest.raises(ValueError, match="hyper_parallel: .* is already wrapped by a hyper_parallel "
-                                         "wrapper; wrap each module once"):
+    with pytest.raises(ValueError, match="hyper_parallel: .* is already wrapped by a "
+                                         "hyper_parallel wrapper; wrap each module once"):
         checkpoint_wrapper(once)
     with pytest.raises(ValueError, match="already wrapped"):
         swap_wrapper(once)
