@@ -30,6 +30,7 @@ Usage: PYTHONPATH=src python benchmarks/bench_swap.py [--rounds 15] [--quick]
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
@@ -68,6 +69,16 @@ def _count_saved(run_forward) -> int:
     return n[0]
 
 
+def _memcpy_us(numel: int) -> float:
+    src, dst = torch.randn(numel), torch.empty(numel)
+    ts = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        ts.append(time.perf_counter() - t0)
+    return median(ts) * 1e6
+
+
 def _chain(layers) -> None:
     for a, b in zip(layers, layers[1:]):
         SwapManager().set_forward_prefetch_layer(a, b)
@@ -96,18 +107,19 @@ class _Offloads:
             self.bytes += s1["offload_bytes"] - s0["offload_bytes"]
             self.steps += 1
 
+        run.step = step
         return run
 
 
-def per_tensor(args) -> dict:
+def per_tensor(args, numel: int, tensors: int) -> dict:
     """Part 1: host cost per saved tensor."""
-    n_ops = args.tensors // args.layers
+    n_ops = tensors // args.layers
     plain = [_sin_layer(n_ops) for _ in range(args.layers)]
     ours = [swap_wrapper(_sin_layer(n_ops)) for _ in range(args.layers)]
     ours_fused = [swap_wrapper(_sin_layer(n_ops), group_swap=True) for _ in range(args.layers)]
     _chain(ours)
     _chain(ours_fused)
-    x = torch.randn(args.numel, requires_grad=True)
+    x = torch.randn(numel, requires_grad=True)
 
     def forward(layers):
         h = x
@@ -115,10 +127,16 @@ def per_tensor(args) -> dict:
             h = layer(h)
         return h
 
+    phases: dict = {}  # step -> [(forward cpu s, backward cpu s)] per call
+
     def step_of(run_forward):
         def step():
             x.grad = None
-            run_forward().sum().backward()
+            c0 = time.process_time()
+            out = run_forward()
+            c1 = time.process_time()
+            out.sum().backward()
+            phases.setdefault(step, []).append((c1 - c0, time.process_time() - c1))
 
         return step
 
@@ -141,8 +159,13 @@ def per_tensor(args) -> dict:
         "ours swap group_swap": counters["ours swap group_swap"].wrap(
             step_of(lambda: forward(ours_fused))),
     }
+    inner = {name: getattr(fn, "step", fn) for name, fn in steps.items()}
     times = interleaved(steps, rounds=args.rounds, warmup=args.warmup)
     base = times["no hooks"]
+
+    def phase_median(name, k):
+        return median([p[k] for p in phases[inner[name]][-args.rounds:]])
+
     cost = {}
     rows = []
     for name, t in times.items():
@@ -150,14 +173,20 @@ def per_tensor(args) -> dict:
         wall_us = (median(t.wall) - median(base.wall)) / saved * 1e6
         cost[name] = (cpu_us, wall_us)
         c = counters.get(name)
-        moved = f"{c.count / max(c.steps, 1):.0f}" if c else ("0" if "False" in name or name == "no hooks" else f"{saved}")
-        rows.append([name, f"{cpu_us:.2f}", f"{wall_us:.2f}",
+        if c is not None:
+            moved = f"{c.count / max(c.steps, 1):.0f}"
+        else:
+            moved = f"{saved}" if "pin_memory=True" in name else "0"
+        fwd_us = (phase_median(name, 0) - phase_median("no hooks", 0)) / saved * 1e6
+        bwd_us = (phase_median(name, 1) - phase_median("no hooks", 1)) / saved * 1e6
+        rows.append([name, f"{cpu_us:.2f}", f"{wall_us:.2f}", f"{fwd_us:.2f}", f"{bwd_us:.2f}",
                      f"{median(t.cpu) / median(base.cpu):.3f}", moved])
     ref = "save_on_cpu(pin_memory=True)"
     print(table(["contender", "host cost us/tensor (cpu)", "host cost us/tensor (wall)",
-                 "step/no hooks (cpu)", "tensors copied per step"], rows,
+                 "of which forward (cpu)", "of which backward (cpu)", "step/no hooks (cpu)",
+                 "tensors copied per step"], rows,
                 title=f"\n## Swap host cost per saved tensor (CPU backend): {args.layers} "
-                      f"layers x {n_ops} sin ops, {saved} saved tensors of {args.numel * 4} "
+                      f"layers x {n_ops} sin ops, {saved} saved tensors of {numel * 4} "
                       f"bytes per step"))
     out = {}
     for name in ("ours swap", "ours swap group_swap"):
@@ -169,7 +198,9 @@ def per_tensor(args) -> dict:
               f"-> {verdict(r_cpu < 1.0)}; wall {cost[name][1]:.2f} vs {cost[ref][1]:.2f} us "
               f"= {r_wall:.2f}x")
     print(f"(floor, a Python identity hook pair: "
-          f"{cost['save_on_cpu(pin_memory=False) [no copy]'][0]:.2f} us/tensor cpu)")
+          f"{cost['save_on_cpu(pin_memory=False) [no copy]'][0]:.2f} us/tensor cpu; one "
+          f"{numel * 4}-byte tensor copy_ on this machine: {_memcpy_us(numel):.2f} us; "
+          "save_on_cpu copies once and keeps the copy, ours copies out and back)")
     _unchain(ours)
     _unchain(ours_fused)
     return {"cost_us": cost, "ratio_vs_save_on_cpu": out}
@@ -240,16 +271,22 @@ def run(args) -> dict:
     was = manager.cpu_swap_enabled()
     manager.set_cpu_swap(True)
     try:
-        return {"per_tensor": per_tensor(args), "step": step_time(args)}
+        sizes = [int(v) for v in str(args.numel).split(",")]
+        counts = [int(v) for v in str(args.tensors).split(",")]
+        parts = {f"{n * 4} B": per_tensor(args, n, k) for n, k in zip(sizes, counts)}
+        first = parts[f"{sizes[0] * 4} B"]
+        return {"per_tensor": first, "per_tensor_by_size": parts, "step": step_time(args)}
     finally:
         manager.synchronize()
         manager.set_cpu_swap(was)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tensors", type=int, default=2000, help="saved tensors per step (part 1)")
+    p.add_argument("--tensors", default="2000,400",
+                   help="saved tensors per step, one per size (part 1)")
     p.add_argument("--layers", type=int, default=8, help="swap layers (part 1)")
-    p.add_argument("--numel", type=int, default=256, help="floats per saved tensor (part 1)")
+    p.add_argument("--numel", default="256,65536",
+                   help="floats per saved tensor, comma-separated sizes (part 1)")
     p.add_argument("--llama-layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
