@@ -106,7 +106,18 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
             result that is not a policy; the message names the op and the value.
         TypeError: when ``policy_fn`` or ``context_fn`` has the wrong type.
         RuntimeError: in backward, when a cached op output was modified in place after
-            it was cached, or when the recompute runs different ops than the forward.
+            the region's forward, or when the recompute runs different ops than the
+            forward.
+
+    Notes:
+        * A cached output modified in place later in the same region's forward is
+          recomputed instead (with a warning for ``MUST_SAVE``/``MUST_SWAP``): replaying
+          the op and the writes after it rebuilds the right value.
+        * Cached outputs are released as backward consumes them; a backward with
+          ``retain_graph=True`` keeps them for the next backward.
+        * Regions nest (also inside ``torch.utils.checkpoint``): an inner region is a
+          checkpoint again when the outer one is recomputed.
+        * Without grad (``torch.no_grad``, inference) ``function`` simply runs.
 
     Example::
 
