@@ -47,13 +47,6 @@ def _with_bound_kwargs(function, args: tuple, kwargs: dict):
     return call, (*args, *kwargs.values())
 
 
-def _in_checkpoint_forward() -> bool:
-    """True inside the forward of a torch.utils.checkpoint region (ours are built on it):
-    the innermost saved-tensor hooks are its frame's."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top is not None and getattr(top[0], "__module__", None) == torch_checkpoint.__name__
-
-
 def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=None,
                group_swap=False, **kwargs):
     """Runs ``function(*args, **kwargs)`` as a checkpoint region (non-reentrant).
@@ -149,10 +142,9 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         # schedule belongs to forward (MUST_SWAP outputs are kept on device here).
         return torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
     node, name, excluded = resolve_layer(function)
-    # Inside the forward of an enclosing checkpoint, this region's inputs must reach the
-    # enclosing frame's saved-tensor hook (it recomputes them), so push no hooks of ours.
-    pack_mode = None if _in_checkpoint_forward() else (SWAP_ALL if swap_inputs else
-                                                        REGISTERED_ONLY)
+    # Inside the forward of an enclosing checkpoint, Region pushes no hooks of ours: this
+    # region's inputs must reach the enclosing frame's saved-tensor hook (it recomputes them).
+    pack_mode = SWAP_ALL if swap_inputs else REGISTERED_ONLY
     region = Region(node.layer_id if node is not None else -1, name, pack_mode, None,
                     group_swap, excluded)
     with region:

@@ -27,6 +27,14 @@ REGISTERED_ONLY = _C.PackMode.REGISTERED_ONLY
 _warned_unscheduled: set[str] = set()
 
 
+def in_checkpoint_forward() -> bool:
+    """True inside the forward of a torch.utils.checkpoint region (ours are built on it):
+    the innermost saved-tensor hooks are its frame's. Such a frame recomputes whatever is
+    saved inside it, so no region may hide its hook with ours."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
+
+
 class Region:
     """Context manager for one layer invocation.
 
@@ -74,7 +82,8 @@ class Region:
         try:
             if self._exclude:
                 self.group.exclude(list(self._exclude))
-            if self._pack_mode is not None and torch.is_grad_enabled():
+            if (self._pack_mode is not None and torch.is_grad_enabled()
+                    and not in_checkpoint_forward()):
                 torch._C._autograd._push_saved_tensors_default_hooks(
                     _C.PackHook(self._pack_mode, self._policy_fn), _C.unpack_hook)
                 self._pushed = True

@@ -9,7 +9,7 @@ from torch.utils._pytree import tree_flatten
 
 from hyper_parallel._extension import _C
 
-from ._region import SWAP_ALL, Region
+from ._region import SWAP_ALL, Region, in_checkpoint_forward
 from ._swap_manager import SwapManager, layer_node
 
 
@@ -123,8 +123,10 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False):
     """
     global _warned_outside
     SwapManager()
-    if in_backward() or not torch.is_grad_enabled():
-        return target  # recompute or inference: nothing is saved for a later backward
+    if in_backward() or not torch.is_grad_enabled() or in_checkpoint_forward():
+        # Recompute, inference, or inside a checkpoint's forward (the tensor is recomputed
+        # in backward, so keeping it for a swap would only cost a copy).
+        return target
     group = _C.current_group()
     if group is None:
         if not _warned_outside:
