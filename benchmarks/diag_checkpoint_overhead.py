@@ -25,7 +25,8 @@ import torch.utils.checkpoint as tc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import interleaved, machine_facts, paired_ratio, print_facts, set_threads, table  # noqa: E402
+from _common import (  # noqa: E402
+    interleaved, machine_facts, paired_ratio, print_facts, set_threads, table)
 from _models import LlamaStack  # noqa: E402
 
 import hyper_parallel.core.activation_checkpoint._checkpoint as _ck  # noqa: E402

@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_checkpoint  # noqa: E402
 import bench_selective  # noqa: E402
 import bench_swap  # noqa: E402
-from _common import load_average, machine_facts, print_facts, set_threads, table, verdict  # noqa: E402
+from _common import (  # noqa: E402
+    load_average, machine_facts, print_facts, set_threads, table, verdict)
 
 
 def _sub_args(module, rounds: int | None) -> argparse.Namespace:

@@ -290,7 +290,7 @@ def main(argv=None) -> None:
     steps = {name: step_of(*c) for name, c in contenders.items()}
 
     # Memory and offload volume, one step each (after a warm-up step).
-    mem, offload, losses = {}, {}, {}
+    mem, offload = {}, {}
     for name, step in steps.items():
         step()
         dev.sync()
