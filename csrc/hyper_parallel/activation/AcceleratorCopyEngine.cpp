@@ -109,7 +109,7 @@ CopyEventPtr AcceleratorCopyEngine::submit(CopyDirection direction, c10::Device 
     } else {
       for (const auto& item : plan.items) {
         const auto n = static_cast<int64_t>(item.device_bytes.nbytes());
-        at::Tensor host = plan.host.narrow(0, static_cast<int64_t>(item.host_offset), n);
+        at::Tensor host = plan.host_of(item).narrow(0, static_cast<int64_t>(item.host_offset), n);
         if (to_host) {
           host.copy_(item.device_bytes, /*non_blocking=*/true);
         } else {
@@ -123,12 +123,15 @@ CopyEventPtr AcceleratorCopyEngine::submit(CopyDirection direction, c10::Device 
 }
 
 void AcceleratorCopyEngine::release_after(CopyDirection direction, c10::Device device,
-                                          at::DataPtr memory) {
-  // The caching allocator keeps the block reserved until the side stream passes the
+                                          std::vector<at::DataPtr> memory) {
+  // The caching allocator keeps each block reserved until the side stream passes the
   // point recorded at free time (cpp_feasibility.md Q3), so the compute stream never
   // has to wait for the offload before it can free.
-  guard_impl(device)->recordDataPtrOnStream(memory, side_stream(device, direction));
-  memory.clear();
+  const c10::Stream side = side_stream(device, direction);
+  for (auto& m : memory) {
+    guard_impl(device)->recordDataPtrOnStream(m, side);
+    m.clear();
+  }
 }
 
 void AcceleratorCopyEngine::record_use(CopyDirection direction, c10::Device device,

@@ -27,7 +27,9 @@ class AcceleratorCopyEngine final : public CopyEngine {
   AcceleratorCopyEngine() = default;
   CopyEventPtr submit(CopyDirection direction, c10::Device device, const CopyPlan& plan,
                       const std::vector<CopyEventPtr>& after) override;
-  void release_after(CopyDirection direction, c10::Device device, at::DataPtr memory) override;
+  void release_after(CopyDirection direction, c10::Device device,
+                     std::vector<at::DataPtr> memory) override;
+  using CopyEngine::release_after;
   void record_use(CopyDirection direction, c10::Device device,
                   const at::DataPtr& memory) override;
   bool wants_pinned_host() const override { return true; }

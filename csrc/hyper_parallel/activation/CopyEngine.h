@@ -45,21 +45,26 @@ class CopyEvent {
 using CopyEventPtr = std::shared_ptr<const CopyEvent>;
 
 // One storage (viewed as 1-D uint8, contiguous, covering the whole storage) and where
-// its bytes live in the host block.
+// its bytes live on the host: `host_offset` bytes into `host`, or into the plan's host
+// block when `host` is undefined.
 struct CopyItem {
   at::Tensor device_bytes;
   size_t host_offset = 0;
+  at::Tensor host;
 };
 
-// A batch: items copied between their storages and `host` (1-D uint8 CPU tensor).
+// A batch: items copied between their storages and host blocks (1-D uint8 CPU tensors).
 // When `fused`, the engine gathers the items into one device staging buffer and moves
 // it with a single host<->device copy (SPEC 2, group_swap); items are then laid out
 // back to back starting at items[0].host_offset.
 struct CopyPlan {
   at::Tensor host;
   std::vector<CopyItem> items;
-  bool fused = false;
+  bool fused = false;  // requires every item to use `host`
   size_t total_bytes() const;
+  const at::Tensor& host_of(const CopyItem& item) const {
+    return item.host.defined() ? item.host : host;
+  }
 };
 
 class CopyEngine {
@@ -67,9 +72,15 @@ class CopyEngine {
   virtual ~CopyEngine() = default;
   virtual CopyEventPtr submit(CopyDirection direction, c10::Device device, const CopyPlan& plan,
                               const std::vector<CopyEventPtr>& after) = 0;
-  // Frees `memory` (the old data pointer of an offloaded storage) once the copies queued
+  // Frees `memory` (the old data pointers of offloaded storages) once the copies queued
   // so far in `direction` have finished reading it.
-  virtual void release_after(CopyDirection direction, c10::Device device, at::DataPtr memory) = 0;
+  virtual void release_after(CopyDirection direction, c10::Device device,
+                             std::vector<at::DataPtr> memory) = 0;
+  void release_after(CopyDirection direction, c10::Device device, at::DataPtr memory) {
+    std::vector<at::DataPtr> one;
+    one.push_back(std::move(memory));
+    release_after(direction, device, std::move(one));
+  }
   // Tells the device allocator that the side stream of `direction` writes `memory`
   // (allocated on the compute stream), so it is not reused before that write ends.
   virtual void record_use(CopyDirection direction, c10::Device device,

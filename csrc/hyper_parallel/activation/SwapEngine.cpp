@@ -30,12 +30,12 @@ at::Tensor byte_view(const c10::Storage& storage) {
 
 // Releases the device memory of `storage` in place: the StorageImpl (and every tensor
 // and view on it) stays, with nbytes 0, until it is refilled (cpp_feasibility.md Q4).
-void free_in_place(const c10::Storage& storage, CopyEngine& engine) {
+// Returns the old memory, to be destroyed once the copy reading it is done.
+at::DataPtr free_in_place(const c10::Storage& storage) {
   c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
-  const c10::Device device = impl->device();
-  at::DataPtr old = impl->set_data_ptr(at::DataPtr(nullptr, device));
+  at::DataPtr old = impl->set_data_ptr(at::DataPtr(nullptr, impl->device()));
   impl->set_nbytes(0);
-  engine.release_after(CopyDirection::kDeviceToHost, device, std::move(old));
+  return old;
 }
 
 // Re-allocates `nbytes` for `storage` in place, with the current (compute) stream of its
@@ -317,16 +317,23 @@ void SwapEngine::try_offload_locked(std::vector<std::shared_ptr<StorageRecord>> 
     auto& records = kv.second.first;
     auto& storages = kv.second.second;
     if (!fuse) {
-      for (size_t i = 0; i < records.size(); ++i) offload_batch_locked({records[i]}, {storages[i]}, false);
+      offload_batch_locked(records, storages, false);
       continue;
     }
     // group_swap: bucket records under the threshold by dtype, filling each bucket up to
     // the threshold; everything else moves on its own.
     std::map<int, std::pair<std::vector<std::shared_ptr<StorageRecord>>, std::vector<c10::Storage>>> open;
     std::map<int, size_t> open_bytes;
+    std::vector<std::shared_ptr<StorageRecord>> single_records;
+    std::vector<c10::Storage> single_storages;
     auto flush = [&](int dtype) {
       auto& b = open[dtype];
-      if (!b.first.empty()) offload_batch_locked(b.first, b.second, b.first.size() > 1);
+      if (b.first.size() > 1) {
+        offload_batch_locked(b.first, b.second, true);
+      } else if (b.first.size() == 1) {
+        single_records.push_back(b.first[0]);
+        single_storages.push_back(b.second[0]);
+      }
       b.first.clear();
       b.second.clear();
       open_bytes[dtype] = 0;
@@ -334,7 +341,8 @@ void SwapEngine::try_offload_locked(std::vector<std::shared_ptr<StorageRecord>> 
     for (size_t i = 0; i < records.size(); ++i) {
       const size_t n = records[i]->nbytes();
       if (n >= threshold) {
-        offload_batch_locked({records[i]}, {storages[i]}, false);
+        single_records.push_back(records[i]);
+        single_storages.push_back(storages[i]);
         continue;
       }
       const int dtype = static_cast<int>(records[i]->dtype());
@@ -344,40 +352,56 @@ void SwapEngine::try_offload_locked(std::vector<std::shared_ptr<StorageRecord>> 
       open_bytes[dtype] += n;
     }
     for (auto& b : open) flush(b.first);
+    if (!single_records.empty()) offload_batch_locked(single_records, single_storages, false);
   }
 }
 
 void SwapEngine::offload_batch_locked(const std::vector<std::shared_ptr<StorageRecord>>& records,
                                       const std::vector<c10::Storage>& storages, bool fused) {
+  // One submit for the whole batch: a fused bucket shares one host block and moves as one
+  // transfer; otherwise each storage gets its own block (reusable on its own) but the
+  // copies still share one event and one release.
   const c10::Device device = records.front()->device();
   CopyEngine& engine = engine_for(device);
+  HostBufferPool& pool = pool_for(device);
   size_t total = 0;
   for (const auto& r : records) total += r->nbytes();
-  std::shared_ptr<HostBlock> block = pool_for(device).acquire(total);
+  std::vector<std::shared_ptr<HostBlock>> blocks;
   CopyPlan plan;
-  plan.host = block->buffer();
   plan.fused = fused;
+  if (fused) {
+    blocks.push_back(pool.acquire(total));
+    plan.host = blocks.back()->buffer();
+  }
   size_t offset = 0;
   for (size_t i = 0; i < records.size(); ++i) {
-    plan.items.push_back(CopyItem{byte_view(storages[i]), offset});
+    CopyItem item{byte_view(storages[i]), fused ? offset : 0, at::Tensor()};
+    if (!fused) {
+      blocks.push_back(pool.acquire(records[i]->nbytes()));
+      item.host = blocks.back()->buffer();
+    }
+    plan.items.push_back(std::move(item));
     offset += records[i]->nbytes();
   }
   CopyEventPtr done = engine.submit(CopyDirection::kDeviceToHost, device, plan, {});
-  block->set_last_use(done);
+  for (auto& block : blocks) block->set_last_use(done);
   plan.items.clear();  // drop our byte views before freeing
   auto bucket = fused ? std::make_shared<std::vector<std::weak_ptr<StorageRecord>>>() : nullptr;
+  std::vector<at::DataPtr> released;
+  released.reserve(records.size());
   offset = 0;
   for (size_t i = 0; i < records.size(); ++i) {
     const auto& r = records[i];
-    free_in_place(storages[i], engine);
+    released.push_back(free_in_place(storages[i]));
     r->transition(Residency::kOffloading);
-    r->host = block;
-    r->host_offset = offset;
+    r->host = fused ? blocks.front() : blocks[i];
+    r->host_offset = fused ? offset : 0;
     r->d2h_done = done;
     r->bucket = bucket;
     if (bucket) bucket->push_back(r);
     offset += r->nbytes();
   }
+  engine.release_after(CopyDirection::kDeviceToHost, device, std::move(released));
   counters_->transfers += fused ? 1 : static_cast<int64_t>(records.size());
   counters_->offload_bytes += static_cast<int64_t>(total);
   counters_->offload_count += static_cast<int64_t>(records.size());
@@ -385,62 +409,89 @@ void SwapEngine::offload_batch_locked(const std::vector<std::shared_ptr<StorageR
 }
 
 void SwapEngine::reload_locked(const std::shared_ptr<StorageRecord>& record) {
-  // Fused buckets come back together: one H2D copy for the bucket. A storage that died
-  // while offloaded (every tensor on it was dropped) has no reader left and is skipped;
-  // the strong reference taken here keeps the others alive until they are refilled.
+  // Fused buckets come back together: one H2D copy for the bucket.
+  if (!record->bucket) {
+    reload_batch_locked({record});
+    return;
+  }
+  std::vector<std::shared_ptr<StorageRecord>> members;
+  for (const auto& weak : *record->bucket) {
+    auto m = weak.lock();
+    if (m && (m->state() == Residency::kOffloading || m->state() == Residency::kHost)) {
+      members.push_back(std::move(m));
+    }
+  }
+  reload_batch_locked(members);
+}
+
+void SwapEngine::reload_batch_locked(const std::vector<std::shared_ptr<StorageRecord>>& candidates) {
+  // A storage that died while offloaded (every tensor on it was dropped) has no reader left
+  // and is skipped; the strong references taken here keep the others alive until refilled.
   std::vector<std::shared_ptr<StorageRecord>> members;
   std::vector<c10::Storage> storages;
-  auto add_member = [&](std::shared_ptr<StorageRecord> m) {
+  for (const auto& m : candidates) {
     c10::Storage storage = m->storage();
-    if (!storage) return;
-    members.push_back(std::move(m));
+    if (!storage) continue;
+    members.push_back(m);
     storages.push_back(std::move(storage));
-  };
-  if (record->bucket) {
-    for (const auto& weak : *record->bucket) {
-      auto m = weak.lock();
-      if (m && (m->state() == Residency::kOffloading || m->state() == Residency::kHost)) {
-        add_member(std::move(m));
-      }
-    }
-  } else {
-    add_member(record);
   }
   if (members.empty()) return;
-  const bool complete_bucket = record->bucket && members.size() == record->bucket->size();
-  const c10::Device device = record->device();
+  // One transfer when the batch is exactly one complete fused bucket.
+  const auto& bucket = members.front()->bucket;
+  bool fused = bucket && members.size() > 1 && members.size() == bucket->size();
+  for (const auto& m : members) fused = fused && m->bucket == bucket;
+  const c10::Device device = members.front()->device();
   CopyEngine& engine = engine_for(device);
   CopyPlan plan;
-  plan.host = record->host->buffer();
-  plan.fused = complete_bucket && members.size() > 1;
+  plan.fused = fused;
+  if (fused) plan.host = members.front()->host->buffer();
+  std::vector<CopyEventPtr> after;
   size_t total = 0;
   for (size_t i = 0; i < members.size(); ++i) {
-    refill_in_place(storages[i], members[i]->nbytes(), device);
-    plan.items.push_back(CopyItem{byte_view(storages[i]), members[i]->host_offset});
-    total += members[i]->nbytes();
+    const auto& m = members[i];
+    refill_in_place(storages[i], m->nbytes(), device);
+    plan.items.push_back(CopyItem{byte_view(storages[i]), m->host_offset,
+                                  fused ? at::Tensor() : m->host->buffer()});
+    if (std::find(after.begin(), after.end(), m->d2h_done) == after.end()) {
+      after.push_back(m->d2h_done);  // ordered after the D2H that filled the block
+    }
+    total += m->nbytes();
   }
-  CopyEventPtr done = engine.submit(CopyDirection::kHostToDevice, device, plan,
-                                    {record->d2h_done});
-  record->host->set_last_use(done);
+  CopyEventPtr done = engine.submit(CopyDirection::kHostToDevice, device, plan, after);
   for (size_t i = 0; i < members.size(); ++i) {
+    const auto& m = members[i];
+    m->host->set_last_use(done);
     engine.record_use(CopyDirection::kHostToDevice, device,
                       storages[i].unsafeGetStorageImpl()->data_ptr());
-    if (members[i]->state() == Residency::kOffloading && members[i]->d2h_done->query()) {
-      members[i]->transition(Residency::kHost);
+    if (m->state() == Residency::kOffloading && m->d2h_done->query()) {
+      m->transition(Residency::kHost);
     }
-    members[i]->transition(Residency::kReloading);
-    members[i]->h2d_done = done;
+    m->transition(Residency::kReloading);
+    m->h2d_done = done;
   }
-  counters_->transfers += plan.fused ? 1 : static_cast<int64_t>(members.size());
+  counters_->transfers += fused ? 1 : static_cast<int64_t>(members.size());
   counters_->reload_bytes += static_cast<int64_t>(total);
   counters_->reload_count += static_cast<int64_t>(members.size());
-  if (plan.fused) counters_->fused_copies += 1;
+  if (fused) counters_->fused_copies += 1;
 }
 
 void SwapEngine::load_group_locked(const std::shared_ptr<SwapGroup>& group) {
+  // Buckets reload as units; every other offloaded record of the group goes in one batch.
+  std::vector<std::shared_ptr<StorageRecord>> singles;
   for (const auto& r : group->records()) {
-    if (r->state() == Residency::kOffloading || r->state() == Residency::kHost) reload_locked(r);
+    if (r->state() != Residency::kOffloading && r->state() != Residency::kHost) continue;
+    if (r->bucket) {
+      reload_locked(r);  // the rest of its bucket leaves the offloaded states with it
+    } else {
+      singles.push_back(r);
+    }
   }
+  std::map<std::pair<int, int>, std::vector<std::shared_ptr<StorageRecord>>> by_device;
+  for (auto& r : singles) {
+    by_device[{static_cast<int>(r->device().type()), static_cast<int>(r->device().index())}]
+        .push_back(std::move(r));
+  }
+  for (const auto& kv : by_device) reload_batch_locked(kv.second);
 }
 
 void SwapEngine::retry_deferred_locked() {

@@ -123,7 +123,11 @@ class SwapEngine {
   void try_offload_locked(std::vector<std::shared_ptr<StorageRecord>> candidates, bool fuse);
   void offload_batch_locked(const std::vector<std::shared_ptr<StorageRecord>>& records,
                             const std::vector<c10::Storage>& storages, bool fused);
+  // Reloads `record` (with its fused bucket, if any).
   void reload_locked(const std::shared_ptr<StorageRecord>& record);
+  // Reloads `records` (offloaded, one device) with one submit; fused iff they are exactly
+  // one complete bucket.
+  void reload_batch_locked(const std::vector<std::shared_ptr<StorageRecord>>& records);
   void load_group_locked(const std::shared_ptr<SwapGroup>& group);
   void retry_deferred_locked();
   bool in_use_elsewhere(const StorageRecord& record, const c10::Storage& storage) const;

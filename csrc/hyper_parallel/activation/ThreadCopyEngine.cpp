@@ -2,6 +2,7 @@
 
 #include "hyper_parallel/common/Macros.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 
@@ -17,30 +18,32 @@ namespace {
 
 class FlagEvent final : public CopyEvent {
  public:
-  bool query() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return done_;
-  }
+  bool query() const override { return done_.load(std::memory_order_acquire); }
   double synchronize() const override {
+    if (query()) return 0.0;
     auto start = std::chrono::steady_clock::now();
     std::unique_lock<std::mutex> lock(mu_);
-    if (done_) return 0.0;
-    cv_.wait(lock, [&] { return done_; });
+    ++waiters_;
+    cv_.wait(lock, [&] { return done_.load(std::memory_order_acquire); });
+    --waiters_;
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   double block_compute(c10::Device) const override { return synchronize(); }
   void set() {
+    bool notify;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      done_ = true;
+      done_.store(true, std::memory_order_release);
+      notify = waiters_ > 0;
     }
-    cv_.notify_all();
+    if (notify) cv_.notify_all();
   }
 
  private:
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
-  bool done_ = false;
+  mutable int waiters_ = 0;
+  std::atomic<bool> done_{false};
 };
 
 void copy_bytes(void* dst, const void* src, size_t n) {
@@ -62,15 +65,19 @@ class ThreadCopyEngine::Worker {
     thread_.join();
   }
   void post(std::function<void()> task) {
+    bool wake;
     {
       std::lock_guard<std::mutex> lock(mu_);
       tasks_.push_back(std::move(task));
+      wake = sleeping_;
     }
-    cv_.notify_all();
+    if (wake) cv_.notify_one();
   }
   void drain() {
     std::unique_lock<std::mutex> lock(mu_);
+    ++drainers_;
     idle_cv_.wait(lock, [&] { return tasks_.empty() && !busy_; });
+    --drainers_;
   }
 
  private:
@@ -79,18 +86,22 @@ class ThreadCopyEngine::Worker {
       std::function<void()> task;
       {
         std::unique_lock<std::mutex> lock(mu_);
+        sleeping_ = true;
         cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+        sleeping_ = false;
         if (tasks_.empty()) return;  // stop_ and nothing left
         task = std::move(tasks_.front());
         tasks_.pop_front();
         busy_ = true;
       }
       task();
+      bool notify;
       {
         std::lock_guard<std::mutex> lock(mu_);
         busy_ = false;
+        notify = drainers_ > 0;
       }
-      idle_cv_.notify_all();
+      if (notify) idle_cv_.notify_all();
     }
   }
 
@@ -100,6 +111,8 @@ class ThreadCopyEngine::Worker {
   std::deque<std::function<void()>> tasks_;
   bool stop_ = false;
   bool busy_ = false;
+  bool sleeping_ = false;
+  int drainers_ = 0;
   std::thread thread_;
 };
 
@@ -114,45 +127,35 @@ ThreadCopyEngine::~ThreadCopyEngine() = default;
 CopyEventPtr ThreadCopyEngine::submit(CopyDirection direction, c10::Device device,
                                       const CopyPlan& plan,
                                       const std::vector<CopyEventPtr>& after) {
-  HP_INTERNAL_ASSERT(plan.host.defined() && plan.host.is_cpu());
   auto done = std::make_shared<FlagEvent>();
   const bool to_host = direction == CopyDirection::kDeviceToHost;
   transfers_ += plan.fused ? 1 : static_cast<int64_t>(plan.items.size());
   // Raw pointers are taken now: an offloaded storage drops its data pointer right after
   // submit(); the memory itself stays alive until release_after()'s task, queued behind
-  // this one, destroys it.
-  struct Span { uint8_t* device; size_t host_offset; size_t n; };
+  // this one, destroys it. The task keeps the host blocks alive.
+  struct Span { uint8_t* device; uint8_t* host; size_t n; };
   std::vector<Span> spans;
+  std::vector<at::Tensor> hosts;
   spans.reserve(plan.items.size());
   for (const auto& item : plan.items) {
-    spans.push_back(Span{static_cast<uint8_t*>(item.device_bytes.data_ptr()), item.host_offset,
+    const at::Tensor& host = plan.host_of(item);
+    HP_INTERNAL_ASSERT(host.defined() && host.is_cpu());
+    spans.push_back(Span{static_cast<uint8_t*>(item.device_bytes.data_ptr()),
+                         static_cast<uint8_t*>(host.data_ptr()) + item.host_offset,
                          item.device_bytes.nbytes()});
+    if (hosts.empty() || !hosts.back().is_same(host)) hosts.push_back(host);
   }
   const size_t total = plan.total_bytes();
-  const bool fused = plan.fused;
   workers_[static_cast<int>(direction)]->post(
-      [host_tensor = plan.host, spans = std::move(spans), after, done, to_host, total, fused,
+      [hosts = std::move(hosts), spans = std::move(spans), after, done, to_host, total,
        delay = delay_ns_per_byte_.load()]() {
         for (const auto& ev : after) ev->synchronize();
-        auto* host = static_cast<uint8_t*>(host_tensor.data_ptr());
-        if (fused && !spans.empty()) {
-          // Gather (D2H) or scatter (H2D) through one staging buffer: one transfer.
-          std::vector<uint8_t> staging(total);
-          const size_t base = spans[0].host_offset;
-          if (to_host) {
-            size_t off = 0;
-            for (const auto& s : spans) { copy_bytes(staging.data() + off, s.device, s.n); off += s.n; }
-            copy_bytes(host + base, staging.data(), total);
-          } else {
-            copy_bytes(staging.data(), host + base, total);
-            size_t off = 0;
-            for (const auto& s : spans) { copy_bytes(s.device, staging.data() + off, s.n); off += s.n; }
-          }
-        } else {
-          for (const auto& s : spans) {
-            if (to_host) copy_bytes(host + s.host_offset, s.device, s.n);
-            else copy_bytes(s.device, host + s.host_offset, s.n);
-          }
+        // On the host a fused bucket needs no staging buffer: there is no DMA launch to
+        // amortise, so the spans go straight to their offsets in the block (the bucket
+        // still counts as one transfer).
+        for (const auto& s : spans) {
+          if (to_host) copy_bytes(s.host, s.device, s.n);
+          else copy_bytes(s.device, s.host, s.n);
         }
         if (delay > 0.0 && total > 0) {
           std::this_thread::sleep_for(
@@ -164,9 +167,10 @@ CopyEventPtr ThreadCopyEngine::submit(CopyDirection direction, c10::Device devic
 }
 
 void ThreadCopyEngine::release_after(CopyDirection direction, c10::Device,
-                                     at::DataPtr memory) {
-  // DataPtr is move-only; std::function needs copyable callables, so box it.
-  auto boxed = std::make_shared<at::DataPtr>(std::move(memory));
+                                     std::vector<at::DataPtr> memory) {
+  if (memory.empty()) return;
+  // DataPtr is move-only; std::function needs copyable callables, so box the batch.
+  auto boxed = std::make_shared<std::vector<at::DataPtr>>(std::move(memory));
   workers_[static_cast<int>(direction)]->post([boxed]() { boxed->clear(); });
 }
 

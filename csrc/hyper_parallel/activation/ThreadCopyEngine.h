@@ -29,7 +29,9 @@ class ThreadCopyEngine final : public CopyEngine {
 
   CopyEventPtr submit(CopyDirection direction, c10::Device device, const CopyPlan& plan,
                       const std::vector<CopyEventPtr>& after) override;
-  void release_after(CopyDirection direction, c10::Device device, at::DataPtr memory) override;
+  void release_after(CopyDirection direction, c10::Device device,
+                     std::vector<at::DataPtr> memory) override;
+  using CopyEngine::release_after;
   void record_use(CopyDirection, c10::Device, const at::DataPtr&) override {}
   bool wants_pinned_host() const override { return false; }
   int64_t transfers_issued() const override { return transfers_.load(); }

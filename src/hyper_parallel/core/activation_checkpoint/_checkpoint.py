@@ -20,6 +20,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
+from hyper_parallel._extension import _C
+
 from ._region import REGISTERED_ONLY, SWAP_ALL, Region
 from ._selective import compile_policy
 from ._swap import LayerCall, in_backward, resolve_layer
@@ -141,12 +143,18 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         # in its forward (torch's nesting rules), but it starts no swap group: the swap
         # schedule belongs to forward (MUST_SWAP outputs are kept on device here).
         return torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
-    node, name, excluded = resolve_layer(function)
+    # Parameters are never packed (eligibility) and buffers are never region inputs or op
+    # outputs, so a checkpoint region needs no exclusion list (a per-call module walk).
+    node, name, _ = resolve_layer(function, with_state=False)
+    if node is None and not swap_inputs and (policy is None or not policy.may_swap) \
+            and _C.current_group() is None:
+        # Nothing here can join a swap group or the schedule: torch's frame alone.
+        return torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
     # Inside the forward of an enclosing checkpoint, Region pushes no hooks of ours: this
     # region's inputs must reach the enclosing frame's saved-tensor hook (it recomputes them).
     pack_mode = SWAP_ALL if swap_inputs else REGISTERED_ONLY
     region = Region(node.layer_id if node is not None else -1, name, pack_mode, None,
-                    group_swap, excluded)
+                    group_swap)
     with region:
         out = torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
     region.attach_backward(out)

@@ -281,11 +281,14 @@ class SelectivePolicy:
     validated once, not at every call.
     """
 
-    __slots__ = ("table", "fn")
+    __slots__ = ("table", "fn", "may_swap")
 
     def __init__(self, table=None, fn=None) -> None:
         self.table = table
         self.fn = fn
+        #: Whether some op output may be MUST_SWAP (a callable may return anything).
+        self.may_swap = table is None or table.default == CheckpointPolicy.MUST_SWAP or any(
+            p == CheckpointPolicy.MUST_SWAP for _, p in table.entries())
 
     def __deepcopy__(self, memo):
         return self  # immutable once prepared: a deep-copied wrapper shares it

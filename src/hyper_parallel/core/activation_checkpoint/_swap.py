@@ -49,16 +49,21 @@ class LayerCall:
         return self.fn(*args, **kwargs)
 
 
-def resolve_layer(function):
-    """(schedule node or None, region name, tensors never swapped) of a call target."""
+def resolve_layer(function, with_state: bool = True):
+    """(schedule node or None, region name, tensors never swapped) of a call target.
+
+    ``with_state=False`` skips collecting the module's parameters and buffers (a walk of
+    the module tree): regions that only swap op outputs or registered tensors never see
+    them."""
     if isinstance(function, LayerCall):
         node = layer_node(function.owner)
         if node is None and function.state_module is None:
             node = layer_node(function.fn)
         name = node.name if node is not None else region_name(function.fn)
-        return node, name, module_state_tensors(function.state_module)
-    node = layer_node(function)
-    return node, region_name(function), module_state_tensors(function)
+        state = function.state_module
+    else:
+        node, name, state = layer_node(function), region_name(function), function
+    return node, name, (module_state_tensors(state) if with_state else [])
 
 
 def swap(function, *args, policy_fn=None, group_swap=False, **kwargs):
