@@ -92,6 +92,23 @@ struct DTensorHandle {
 // The saved-tensor pack hook of a region. Called by autograd (with the GIL) once per
 // saved tensor; returns a SavedHandle for a swapped tensor, a DTensorHandle for a swapped
 // DTensor, or the tensor itself.
+// What the pack hook returns for a tensor it does not swap. With saved-tensor hooks
+// installed, autograd no longer checks version counters itself (SavedVariable::unpack skips
+// the check when hooks are present), so the hook keeps the version seen at pack time and
+// unpack_hook raises on an in-place modification, exactly as autograd would without hooks.
+struct SavedPassThrough {
+  py::object tensor;
+  c10::VariableVersion version;
+  uint32_t saved_version;
+};
+
+py::object pass_through(const py::object& obj, const at::Tensor& t) {
+  const c10::VariableVersion& version = t.unsafeGetTensorImpl()->version_counter();
+  if (!version.enabled()) return obj;  // inference tensors track no version
+  return py::cast(std::make_shared<SavedPassThrough>(
+      SavedPassThrough{obj, version, version.current_version()}));
+}
+
 class PackHook {
  public:
   PackHook(PackMode mode, py::object policy_fn) : mode_(mode), policy_fn_(std::move(policy_fn)) {}
@@ -102,10 +119,9 @@ class PackHook {
     if (t.key_set().has(c10::DispatchKey::Python)) return pack_subclass(obj, t);
     if (auto* meter = SavedBytesMeter::active()) meter->observe(t);
     auto group = engine().current_group();
-    if (!group) return obj;
-    if (!policy_swaps(obj, t, t)) return obj;
+    if (!group || !policy_swaps(obj, t, t)) return pass_through(obj, t);
     auto handle = engine().pack(group, t, mode_);
-    if (!handle) return obj;
+    if (!handle) return pass_through(obj, t);
     return py::cast(std::move(handle));
   }
 
@@ -132,16 +148,16 @@ class PackHook {
     auto* meter = SavedBytesMeter::active();
     if (!is_dtensor(obj)) {
       if (meter) meter->observe(t);
-      return obj;
+      return pass_through(obj, t);
     }
-    if (is_parameter_like(t)) return obj;  // a DTensor parameter or a view of one
+    if (is_parameter_like(t)) return pass_through(obj, t);  // a DTensor parameter or view
     at::Tensor local = dtensor_local(obj);
     if (meter) meter->observe(local);
     auto group = engine().current_group();
-    if (!group) return obj;
-    if (!policy_swaps(obj, t, local)) return obj;  // policy_fn sees the DTensor
+    // policy_fn sees the DTensor
+    if (!group || !policy_swaps(obj, t, local)) return pass_through(obj, t);
     auto handle = engine().pack(group, local, mode_);
-    if (!handle) return obj;
+    if (!handle) return pass_through(obj, t);
     const c10::VariableVersion& version = t.unsafeGetTensorImpl()->version_counter();
     return py::cast(std::make_shared<DTensorHandle>(
         DTensorHandle{std::move(handle), obj.attr("_spec"), version, version.current_version()}));
@@ -152,6 +168,18 @@ class PackHook {
 };
 
 py::object unpack_hook(const py::object& obj) {
+  if (py::isinstance<SavedPassThrough>(obj)) {
+    const auto& p = obj.cast<const SavedPassThrough&>();
+    const uint32_t now = p.version.current_version();
+    if (now != p.saved_version) {
+      const at::Tensor& t = THPVariable_Unpack(p.tensor.ptr());
+      HP_CHECK(false, "a tensor saved for backward (shape ", t.sizes(), ", dtype ",
+               t.scalar_type(), ") was modified by an in-place operation after it was saved "
+               "(version ", p.saved_version, " -> ", now, "). Clone the tensor before "
+               "modifying it, or run the in-place op (e.g. optimizer.step()) after backward.");
+    }
+    return p.tensor;
+  }
   if (py::isinstance<SavedHandle>(obj)) {
     auto handle = obj.cast<std::shared_ptr<SavedHandle>>();
     at::Tensor t;
@@ -183,9 +211,11 @@ py::object unpack_hook(const py::object& obj) {
   return obj;
 }
 
+// The live group named `name`; null when it existed but died (every tensor it held is
+// gone, so there is nothing left to move). Throws for a name never used.
 std::shared_ptr<SwapGroup> group_by_name(const std::string& name) {
   auto group = engine().find_group(name);
-  HP_CHECK_VALUE(group, "no live swap group named '", name,
+  HP_CHECK_VALUE(group || engine().knows_group(name), "no live swap group named '", name,
                  "'. Create it with SwapManager().group_context(name) (or check "
                  "get_current_group_name()) before launching its offload or load.");
   return group;
@@ -245,6 +275,8 @@ void bind_swap(py::module_& m) {
       "Opaque handle of a swapped saved DTensor: its local tensor's handle and its spec.")
       .def_property_readonly("local", [](const DTensorHandle& h) { return h.local; })
       .def_property_readonly("spec", [](const DTensorHandle& h) { return h.spec; });
+  py::class_<SavedPassThrough, std::shared_ptr<SavedPassThrough>>(m, "SavedPassThrough",
+      "A saved tensor kept as is, with the version seen at pack time.");
   m.def("unpack_hook", &unpack_hook, py::arg("packed"));
 
   py::class_<SavedBytesMeter, std::shared_ptr<SavedBytesMeter>>(m, "SavedBytesMeter",
@@ -258,8 +290,9 @@ void bind_swap(py::module_& m) {
         } else if (!is_parameter_like(t)) {
           meter.observe(dtensor_local(obj));  // a DTensor's bytes are its local shard's
         }
-        return obj;
-      }, py::arg("tensor"), "Records the tensor's storage; returns the tensor (a pack hook).")
+        return pass_through(obj, t);
+      }, py::arg("tensor"),
+      "Records the tensor's storage; returns what unpack_hook accepts (a pack hook).")
       .def("sample", &SavedBytesMeter::sample)
       .def_property_readonly("peak", &SavedBytesMeter::peak)
       .def_property_readonly("observed_storages", &SavedBytesMeter::observed_storages)
@@ -307,15 +340,21 @@ void bind_swap(py::module_& m) {
     }
     return engine().register_tensor(engine().current_group(), THPVariable_Unpack(obj.ptr()));
   }, py::arg("tensor"));
-  m.def("launch_offload", [](const std::string& n) { engine().launch_offload(group_by_name(n)); });
+  m.def("launch_offload", [](const std::string& n) {
+    if (auto g = group_by_name(n)) engine().launch_offload(g);
+  });
   m.def("wait_offload", [](const std::string& n) {
     auto g = group_by_name(n);
+    if (!g) return;
     py::gil_scoped_release no_gil;
     engine().wait_offload(g);
   });
-  m.def("launch_load", [](const std::string& n) { engine().launch_load(group_by_name(n)); });
+  m.def("launch_load", [](const std::string& n) {
+    if (auto g = group_by_name(n)) engine().launch_load(g);
+  });
   m.def("wait_load", [](const std::string& n) {
     auto g = group_by_name(n);
+    if (!g) return;
     py::gil_scoped_release no_gil;
     engine().wait_load(g);
   });

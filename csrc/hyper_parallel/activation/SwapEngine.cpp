@@ -135,18 +135,21 @@ std::shared_ptr<SwapGroup> SwapEngine::begin_forward(int64_t layer, const std::s
 }
 
 namespace {
-void pop_current(const SwapEngine* engine, const std::shared_ptr<SwapGroup>& group) {
+bool pop_current(const SwapEngine* engine, const std::shared_ptr<SwapGroup>& group) {
   for (auto it = t_current.rbegin(); it != t_current.rend(); ++it) {
     if (it->first == engine && it->second == group) {
       t_current.erase(std::next(it).base());
-      return;
+      return true;
     }
   }
+  return false;
 }
 }  // namespace
 
 bool SwapEngine::end_forward(const std::shared_ptr<SwapGroup>& group) {
-  pop_current(this, group);
+  HP_CHECK(pop_current(this, group), "a swap region ended on a thread where it did not "
+           "begin (or ended twice). Begin and end each layer's forward on the same thread; "
+           "a model may run on several threads, but each forward call stays on one.");
   std::lock_guard<std::mutex> lock(mu_);
   // SPEC 4.7: a registered tensor written in place after registration is an error,
   // never a silently stale copy.
@@ -510,6 +513,15 @@ void SwapEngine::launch_offload(const std::shared_ptr<SwapGroup>& group) {
   HP_CHECK_VALUE(group, "launch_offload: no such swap group");
   std::lock_guard<std::mutex> lock(mu_);
   release_locked(group, false);
+  // From here the group lives as long as the saved tensors that need it: the engine stops
+  // pinning it by name, so a manual group per step cannot accumulate.
+  auto it = manual_.find(group->name());
+  if (it != manual_.end() && it->second == group) manual_.erase(it);
+}
+
+bool SwapEngine::knows_group(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return named_.count(name) != 0;
 }
 
 void SwapEngine::wait_offload(const std::shared_ptr<SwapGroup>& group) {

@@ -84,6 +84,8 @@ class SwapEngine {
   // Current group of this thread, or null.
   std::shared_ptr<SwapGroup> current_group() const;
   std::shared_ptr<SwapGroup> find_group(const std::string& name) const;
+  // Whether a group was ever created under `name` (it may have died since).
+  bool knows_group(const std::string& name) const;
   // Makes `group` findable under its (new) name.
   void name_group(const std::shared_ptr<SwapGroup>& group);
 
@@ -139,7 +141,8 @@ class SwapEngine {
   Schedule schedule_;
   std::unordered_map<std::string, std::weak_ptr<SwapGroup>> named_;
   // Manual groups (group_context) are driven by the user by name, so the engine keeps the
-  // latest one of each name alive until it is replaced or reset() is called.
+  // latest one of each name alive until its launch_offload (then its saved tensors own
+  // it), until it is replaced, or until reset().
   std::unordered_map<std::string, std::shared_ptr<SwapGroup>> manual_;
   std::vector<std::weak_ptr<StorageRecord>> deferred_;
   int64_t next_group_id_ = 0;

@@ -133,11 +133,17 @@ CopyEventPtr ThreadCopyEngine::submit(CopyDirection direction, c10::Device devic
   // Raw pointers are taken now: an offloaded storage drops its data pointer right after
   // submit(); the memory itself stays alive until release_after()'s task, queued behind
   // this one, destroys it. The task keeps the host blocks alive.
+  // A reload task also keeps its target storages alive (`keep`): a reload target must not
+  // be freed (its last tensor dropped) while the worker still writes into it. On an
+  // accelerator record_use() gives the same guarantee through the caching allocator.
   struct Span { uint8_t* device; uint8_t* host; size_t n; };
   std::vector<Span> spans;
   std::vector<at::Tensor> hosts;
+  std::vector<at::Tensor> keep;
   spans.reserve(plan.items.size());
+  keep.reserve(plan.items.size());
   for (const auto& item : plan.items) {
+    if (!to_host) keep.push_back(item.device_bytes);
     const at::Tensor& host = plan.host_of(item);
     HP_INTERNAL_ASSERT(host.defined() && host.is_cpu());
     spans.push_back(Span{static_cast<uint8_t*>(item.device_bytes.data_ptr()),
@@ -147,8 +153,8 @@ CopyEventPtr ThreadCopyEngine::submit(CopyDirection direction, c10::Device devic
   }
   const size_t total = plan.total_bytes();
   workers_[static_cast<int>(direction)]->post(
-      [hosts = std::move(hosts), spans = std::move(spans), after, done, to_host, total,
-       delay = delay_ns_per_byte_.load()]() {
+      [hosts = std::move(hosts), keep = std::move(keep), spans = std::move(spans), after, done,
+       to_host, total, delay = delay_ns_per_byte_.load()]() {
         for (const auto& ev : after) ev->synchronize();
         // On the host a fused bucket needs no staging buffer: there is no DMA launch to
         // amortise, so the spans go straight to their offsets in the block (the bucket

@@ -69,13 +69,9 @@ def saved_activation_memory() -> Iterator[SavedActivationMeter]:
     meter._meter.activate()
     _active = meter
     try:
-        with torch.autograd.graph.saved_tensors_hooks(meter._meter.observe, _identity):
+        with torch.autograd.graph.saved_tensors_hooks(meter._meter.observe, _C.unpack_hook):
             yield meter
         meter.sample()
     finally:
         _active = None
         meter._meter.deactivate()
-
-
-def _identity(x):
-    return x

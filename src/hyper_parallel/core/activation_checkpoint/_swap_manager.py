@@ -6,6 +6,7 @@ import contextlib
 import copy
 import os
 import threading
+import weakref
 
 import torch
 
@@ -13,7 +14,25 @@ from hyper_parallel._extension import _C
 
 from ._region import REGISTERED_ONLY, Region
 
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread (e.g. recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
 _LAYER_ATTR = "_hyper_parallel_layer"
+
+
+# Every live node (for reset()).
+_nodes: weakref.WeakSet = weakref.WeakSet()
+
+# Per thread: node id -> stack of the regions its forward hooks opened (None when the hook
+# opened none). Thread-local because two threads may run the same model (SPEC 4.10).
+_tls = threading.local()
+
+
+def _region_stack(node) -> list:
+    stacks = _tls.__dict__.setdefault("stacks", {})
+    return stacks.setdefault(id(node), [])
 
 
 class _LayerNode:
@@ -28,14 +47,14 @@ class _LayerNode:
         self.name = name
         self.prev: _LayerNode | None = None
         self.next: _LayerNode | None = None
-        self.hook_handles: list = []
+        _nodes.add(self)
 
     def __deepcopy__(self, memo):
         new = _LayerNode.__new__(_LayerNode)
         memo[id(self)] = new
         new.layer_id = _C.new_layer()
         new.name = self.name
-        new.hook_handles = []
+        _nodes.add(new)
         new.prev = copy.deepcopy(self.prev, memo) if self.prev is not None else None
         new.next = copy.deepcopy(self.next, memo) if self.next is not None else None
         if new.prev is not None:
@@ -46,27 +65,46 @@ class _LayerNode:
 
     # Forward hooks for plain modules (not our wrappers) that take part in a schedule:
     # the module's forward becomes a region in which swap_tensor_wrapper registrations
-    # are honoured.
+    # are honoured. When the forward already runs inside this layer's invocation (a
+    # swap()/checkpoint()/wrapper region of the same layer) or inside a recompute, the
+    # hooks open nothing: one invocation is one region.
     def pre_hook(self, module, args):
+        stack = _region_stack(self)
+        current = _C.current_group()
+        if in_backward() or (current is not None and current.layer == self.layer_id):
+            stack.append(None)
+            return
         region = Region(self.layer_id, self.name, REGISTERED_ONLY)
         region.__enter__()
-        module.__dict__.setdefault("_hyper_parallel_regions", []).append(region)
+        stack.append(region)
 
     def post_hook(self, module, args, output):
-        region = module.__dict__["_hyper_parallel_regions"].pop()
-        region.__exit__(None, None, None)
-        region.attach_backward(output)
+        stack = _region_stack(self)
+        region = stack.pop() if stack else None
+        if region is not None:
+            region.__exit__(None, None, None)
+            region.attach_backward(output)
         return None
 
     def post_hook_always(self, module, args, output=None):
         # Registered with always_call=True: runs on exceptions too. The normal path is
         # handled by post_hook; here only a region left open by an exception is aborted.
-        stack = module.__dict__.get("_hyper_parallel_regions")
+        stack = _region_stack(self)
         if stack and output is None:
             region = stack.pop()
-            _C.abort_forward(region.group)
-            if region._pushed:
-                torch._C._autograd._pop_saved_tensors_default_hooks()
+            if region is not None:
+                region.__exit__(RuntimeError, None, None)
+
+
+def _node_hooks(module, node):
+    """(hook dict, key) of every forward hook of ``module`` bound to ``node`` (found by
+    scanning, so hooks that deepcopy re-bound to a copied node are found too)."""
+    found = []
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key, hook in hooks.items():
+            if getattr(hook, "__self__", None) is node:
+                found.append((hooks, key))
+    return found
 
 
 def layer_node(obj, create: bool = False) -> _LayerNode | None:
@@ -109,8 +147,12 @@ class SwapManager:
         with cls._lock:
             if cls._instance is None:
                 inst = super().__new__(cls)
-                if os.environ.get("HYPER_PARALLEL_CPU_SWAP", "0") not in ("", "0"):
+                flag = os.environ.get("HYPER_PARALLEL_CPU_SWAP", "").strip().lower()
+                if flag in ("1", "true", "yes", "on"):
                     _C.set_cpu_swap(True)
+                elif flag not in ("", "0", "false", "no", "off"):
+                    raise ValueError(f"hyper_parallel: HYPER_PARALLEL_CPU_SWAP={flag!r} is not "
+                                     "a boolean; use 1 (on) or 0 (off)")
                 delay = os.environ.get("HYPER_PARALLEL_CPU_SWAP_DELAY_NS_PER_BYTE")
                 if delay:
                     _C.set_cpu_delay_ns_per_byte(float(delay))
@@ -133,6 +175,11 @@ class SwapManager:
         if first is second:
             raise ValueError("hyper_parallel: set_forward_prefetch_layer(a, b) needs two "
                              "different layers; got the same object twice")
+        for obj in (first, second):
+            if not (isinstance(obj, torch.nn.Module) or callable(obj)):
+                raise TypeError(
+                    "hyper_parallel: set_forward_prefetch_layer expects nn.Module layers (as "
+                    f"in model.layers[i], model.layers[i + 1]) or functions, got {obj!r}")
         a = layer_node(first, create=True)
         b = layer_node(second, create=True)
         _C.link_layers(a.layer_id, b.layer_id)
@@ -148,9 +195,10 @@ class SwapManager:
                     else getattr(obj, _LAYER_ATTR, None))
             if node is None:
                 continue
-            for h in node.hook_handles:
-                h.remove()
-            node.hook_handles.clear()
+            if isinstance(obj, torch.nn.Module):
+                for hooks, key in _node_hooks(obj, node):
+                    del hooks[key]
+                    obj._forward_hooks_always_called.pop(key, None)
             _C.remove_layer(node.layer_id)
             if node.prev is not None and node.prev.next is node:
                 node.prev.next = None
@@ -163,17 +211,23 @@ class SwapManager:
     def _install_module_hooks(self, obj, node: _LayerNode) -> None:
         if not isinstance(obj, torch.nn.Module) or getattr(obj, "_hp_is_wrapper", False):
             return  # our wrappers open their own region; functions are wrapped by swap()
-        if node.hook_handles:
-            return
-        node.hook_handles = [
-            obj.register_forward_pre_hook(node.pre_hook),
-            obj.register_forward_hook(node.post_hook),
-            obj.register_forward_hook(node.post_hook_always, always_call=True),
-        ]
+        if _node_hooks(obj, node):
+            return  # already installed (also after a deepcopy)
+        obj.register_forward_pre_hook(node.pre_hook)
+        obj.register_forward_hook(node.post_hook)
+        obj.register_forward_hook(node.post_hook_always, always_call=True)
 
     def set_prefetch_depth(self, depth: int) -> None:
-        """How many layers ahead backward prefetches (default 1; 0 = only on demand)."""
-        _C.set_prefetch_depth(int(depth))
+        """How many earlier layers a layer's backward start prefetches (default 1). With 0,
+        each layer's activations are reloaded only when its own backward starts (no
+        overlap with the later layer's backward).
+
+        Raises:
+            ValueError: for a negative or non-integer depth.
+        """
+        if isinstance(depth, bool) or not isinstance(depth, int):
+            raise ValueError(f"hyper_parallel: prefetch depth must be an int >= 0, got {depth!r}")
+        _C.set_prefetch_depth(depth)
 
     def get_prefetch_depth(self) -> int:
         return int(_C.prefetch_depth())
@@ -244,8 +298,16 @@ class SwapManager:
         return dict(_C.stats())
 
     def reset(self) -> None:
-        """Clears the counters and all schedule state (layer links included)."""
+        """Clears the counters and all schedule state: layer links included, so register
+        the chain again (``set_forward_prefetch_layer``) before the next step. To clear only
+        the counters, use :meth:`reset_stats`."""
         _C.reset(True)
+        for node in list(_nodes):
+            node.prev = node.next = None
+
+    def reset_stats(self) -> None:
+        """Clears the counters of :meth:`stats` and keeps the schedule."""
+        _C.reset(False)
 
     def synchronize(self) -> None:
         """Waits for every queued copy of the CPU backend (tests)."""
