@@ -23,7 +23,7 @@ from torch import nn
 from hyper_parallel._extension import _C
 
 from ._region import REGISTERED_ONLY, SWAP_ALL, Region
-from ._selective import compile_policy
+from ._selective import checked_context_fn, compile_policy
 from ._swap import LayerCall, in_backward, resolve_layer
 from ._swap_manager import SwapManager
 from ._wrappers import ActivationWrapper, _refuse_double_wrap
@@ -34,9 +34,8 @@ def _with_bound_kwargs(function, args: tuple, kwargs: dict):
 
     The kwargs become trailing positional arguments, so that torch's frame keeps their
     tensors as region inputs (saved through the swap hooks with ``swap_inputs``, and
-    used to find the devices whose RNG state is replayed), and so that a user kwarg
-    named like one of torch's own (``debug``, ``determinism_check``) is never taken by
-    torch.utils.checkpoint.
+    used to find the devices whose RNG state is replayed), and so that no kwarg of
+    ``function`` is taken by torch.utils.checkpoint as one of its own options.
     """
     if not kwargs:
         return function, args
@@ -49,8 +48,44 @@ def _with_bound_kwargs(function, args: tuple, kwargs: dict):
     return call, (*args, *kwargs.values())
 
 
+_DETERMINISM_CHECKS = tuple(getattr(torch_checkpoint, "_allowed_determinism_checks_to_fns",
+                                     {"default": None, "none": None}))
+_DEFAULT_DETERMINISM = getattr(torch_checkpoint, "_DEFAULT_DETERMINISM_MODE", "default")
+
+
+def _torch_options(use_reentrant, preserve_rng_state, determinism_check, debug,
+                   has_context: bool, at_call: bool = True) -> dict:
+    """Checks torch.utils.checkpoint's own options and returns those to pass to its frame
+    (``at_call``: also heeds torch's global debug switch, which applies at call time)."""
+    if use_reentrant:
+        raise ValueError(
+            "hyper_parallel: checkpoint is always non-reentrant; use_reentrant="
+            f"{use_reentrant!r} is not supported (pass use_reentrant=False, or omit it).")
+    if determinism_check not in _DETERMINISM_CHECKS:
+        raise ValueError(
+            f"hyper_parallel: checkpoint determinism_check must be one of "
+            f"{list(_DETERMINISM_CHECKS)}; got {determinism_check!r}.")
+    if has_context:
+        forced = getattr(torch_checkpoint, "_checkpoint_debug_enabled", None) if at_call else None
+        if forced if forced is not None else debug:
+            raise ValueError(
+                "hyper_parallel: checkpoint debug mode (debug=True, or "
+                "torch.utils.checkpoint.set_checkpoint_debug_enabled(True)) cannot be "
+                "combined with policy_fn or context_fn (torch's debug mode records the ops "
+                "through its own context_fn); drop one of them.")
+    options = {"use_reentrant": False}
+    if not preserve_rng_state:
+        options["preserve_rng_state"] = False
+    if determinism_check != _DEFAULT_DETERMINISM:
+        options["determinism_check"] = determinism_check
+    if debug:
+        options["debug"] = True
+    return options
+
+
 def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=None,
-               group_swap=False, **kwargs):
+               group_swap=False, use_reentrant=None, preserve_rng_state=True,
+               determinism_check=_DEFAULT_DETERMINISM, debug=False, **kwargs):
     """Runs ``function(*args, **kwargs)`` as a checkpoint region (non-reentrant).
 
     The tensors ``function`` saves for backward are not kept: backward runs it again
@@ -73,9 +108,14 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
               ``MUST_SAVE``, ``False`` = ``PREFER_RECOMPUTE``). ``ctx.is_recompute``
               tells forward from recompute (the forward decision is replayed), and
               ``ctx.op_output`` is the op's output in forward. ``op`` is a ``PolicyOp``:
-              ``op.name()`` and ``str(op)`` give ``"aten.addmm.default"`` and it compares
-              equal to ``torch.ops.aten.addmm.default`` (and to the packet
-              ``torch.ops.aten.addmm``);
+              ``op.name()`` and ``str(op)`` give ``"aten.addmm.default"``; it compares
+              equal to ``torch.ops.aten.addmm.default``, to the packet
+              ``torch.ops.aten.addmm`` and to the names ``"aten.addmm.default"`` /
+              ``"aten.addmm"``, and hashes as the overload. So ``op in [...]`` works
+              with any of these forms, and ``op in {...}`` / ``d.get(op)`` with sets and
+              dict keys of *overloads* (``op in {aten.mm.default, aten.addmm.default}``),
+              but a set or dict keyed by packets or names never matches ``op``: look up
+              ``op.overloadpacket`` or ``op.name()`` there instead (or use a list);
             * a list (tuple, set) of ops: ``MUST_SAVE`` for those, ``PREFER_RECOMPUTE``
               for the rest. An op is an ``OpOverload`` (``torch.ops.aten.mm.default``),
               an ``OpOverloadPacket`` (``torch.ops.aten.mm``: every overload) or a name
@@ -90,7 +130,22 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         context_fn: returns ``(forward_ctx, recompute_ctx)`` context managers entered
             around the region's forward and its recompute, as in torch; with
             ``policy_fn`` both apply (the user's contexts outside the policy's modes).
+            ``context_fn`` must return a tuple of two context managers (else
+            ``TypeError``).
         group_swap: fuse the region's small swapped tensors into few large copies.
+        use_reentrant: accepted for drop-in use with ``torch.utils.checkpoint``:
+            ``None`` or ``False`` (regions are always non-reentrant); ``True`` raises
+            ``ValueError``.
+        preserve_rng_state, determinism_check, debug: torch.utils.checkpoint's own
+            options, passed to its frame: ``preserve_rng_state=False`` does not replay
+            the forward's RNG state in recompute; ``determinism_check`` is ``"default"``
+            (recomputed tensors must match the saved ones in shape, dtype and device) or
+            ``"none"``; ``debug=True`` adds traces of the forward and recomputed ops to
+            recompute errors (not with ``policy_fn`` or ``context_fn``). As in torch,
+            these names (and ``use_reentrant``) are checkpoint's own: ``function``
+            cannot receive keyword arguments with these names, or with ``policy_fn``,
+            ``swap_inputs``, ``context_fn``, ``group_swap`` (bind them with
+            ``functools.partial`` instead).
 
     Returns:
         What ``function`` returns (tensors nested in tuples, lists, dicts or dataclasses
@@ -98,8 +153,11 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
 
     Raises:
         ValueError: for an invalid ``policy_fn`` entry, or (during forward) a policy
-            result that is not a policy; the message names the op and the value.
-        TypeError: when ``policy_fn`` or ``context_fn`` has the wrong type.
+            result that is not a policy (the message names the op and the value); for
+            ``use_reentrant=True``, an unknown ``determinism_check``, or ``debug=True``
+            with ``policy_fn`` or ``context_fn``.
+        TypeError: when ``policy_fn`` or ``context_fn`` has the wrong type, or
+            ``context_fn`` returns something other than two context managers.
         RuntimeError: in backward, when a cached op output was modified in place after
             the region's forward, or when the recompute runs different ops than the
             forward.
@@ -128,14 +186,15 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     if context_fn is not None and not callable(context_fn):
         raise TypeError("hyper_parallel: context_fn must be a callable returning "
                         f"(forward_ctx, recompute_ctx); got {type(context_fn).__name__}")
+    ckpt_kwargs = _torch_options(use_reentrant, preserve_rng_state, determinism_check, debug,
+                                 policy is not None or context_fn is not None)
     if not torch.is_grad_enabled():
         # Inference: nothing is saved for backward (torch's frame does the same).
         return function(*args, **kwargs)
-    ckpt_kwargs = {"use_reentrant": False}
     if policy is not None:
         ckpt_kwargs["context_fn"] = policy.context_fn(context_fn)
     elif context_fn is not None:
-        ckpt_kwargs["context_fn"] = context_fn
+        ckpt_kwargs["context_fn"] = checked_context_fn(context_fn)
     call, call_args = _with_bound_kwargs(function, args, kwargs)
     if in_backward():
         # A region nested in an enclosing region that backward is recomputing: it must be
@@ -177,7 +236,8 @@ class CheckpointWrapper(ActivationWrapper):
                           **kwargs)
 
 
-_CHECKPOINT_OPTIONS = ("policy_fn", "swap_inputs", "context_fn", "group_swap")
+_CHECKPOINT_OPTIONS = ("policy_fn", "swap_inputs", "context_fn", "group_swap", "use_reentrant",
+                       "preserve_rng_state", "determinism_check", "debug")
 
 
 def _prepare_kwargs(checkpoint_kwargs: dict) -> dict:
@@ -186,6 +246,10 @@ def _prepare_kwargs(checkpoint_kwargs: dict) -> dict:
         raise TypeError(f"hyper_parallel: checkpoint_wrapper got unknown options {unknown}; "
                         f"it accepts {list(_CHECKPOINT_OPTIONS)} (those of checkpoint()).")
     out = dict(checkpoint_kwargs)
+    _torch_options(out.get("use_reentrant"), out.get("preserve_rng_state", True),
+                   out.get("determinism_check", _DEFAULT_DETERMINISM), out.get("debug", False),
+                   out.get("policy_fn") is not None or out.get("context_fn") is not None,
+                   at_call=False)
     if out.get("policy_fn") is not None:
         out["policy_fn"] = compile_policy(out["policy_fn"])  # validated once
     return out
@@ -200,15 +264,17 @@ def checkpoint_wrapper(module_or_fn, **checkpoint_kwargs):
             wrapped module's, and state dicts load across wrapped and unwrapped models) or
             a callable (returns a function called the same way).
         **checkpoint_kwargs: ``policy_fn``, ``swap_inputs``, ``context_fn``,
-            ``group_swap``, as in :func:`checkpoint`. A list or dict ``policy_fn`` is
-            validated here, once.
+            ``group_swap``, ``use_reentrant``, ``preserve_rng_state``,
+            ``determinism_check``, ``debug``, as in :func:`checkpoint`. They are
+            validated here, once (a list or dict ``policy_fn`` is also compiled here).
 
     Returns:
         The wrapper.
 
     Raises:
         ValueError: when ``module_or_fn`` is already wrapped by hyper_parallel (wrap each
-            module once), or for an invalid ``policy_fn`` entry.
+            module once), for an invalid ``policy_fn`` entry, or for an invalid option
+            value (as in :func:`checkpoint`).
         TypeError: when it is neither a module nor callable, or for an unknown option.
     """
     kwargs = _prepare_kwargs(checkpoint_kwargs)

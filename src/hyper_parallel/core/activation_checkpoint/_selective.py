@@ -21,6 +21,7 @@ number differs between forward and recompute). The policy is not consulted for t
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -63,11 +64,24 @@ class PolicyOp:
 
     Named as the user guide expects: ``op.name()`` and ``str(op)`` give
     ``"aten.addmm.default"`` (torch's own ``OpOverload.name()`` would say
-    ``"aten::addmm"``). It compares equal to its ``OpOverload``
-    (``op == torch.ops.aten.mm.default``, also inside sets of overloads), to its packet
-    (``op == torch.ops.aten.mm``, in lists) and to its name or packet name as a string;
-    other attributes (``_schema``, ``tags``, ``overloadpacket``) are the overload's, and
-    calling it calls the overload.
+    ``"aten::addmm"``); other attributes (``_schema``, ``tags``, ``overloadpacket``) are
+    the overload's, and calling it calls the overload.
+
+    Comparisons: ``op == x`` is true when ``x`` is its ``OpOverload``
+    (``torch.ops.aten.addmm.default``), its packet (``torch.ops.aten.addmm``), or the
+    name of either as a string (``"aten.addmm.default"``, ``"aten.addmm"``,
+    ``"aten::addmm"``). Its hash is the overload's, so:
+
+    * ``op in [...]`` / ``op in (...)`` (lists and tuples compare with ``==``) works for
+      every one of these forms, mixed freely;
+    * ``op in {...}`` and ``d[op]`` / ``d.get(op)`` (sets and dict keys compare by hash
+      first) work for sets and dicts of **overloads**, the torch idiom
+      ``op in {aten.mm.default, aten.addmm.default}``;
+    * sets and dict keys of **packets or names** cannot match ``op`` (no single hash can
+      equal that of the overload, the packet and both names). Look up the matching
+      form instead: ``op.overloadpacket in {aten.mm, aten.addmm}``,
+      ``op.name() in {"aten.mm.default"}``, ``str(op.overloadpacket) in {"aten.mm"}``,
+      ``d.get(op.overloadpacket)`` -- or use a list.
     """
 
     __slots__ = ("overload", "_name", "_packet_name")
@@ -269,6 +283,37 @@ class _Nested:
         return self._exits.pop().__exit__(exc_type, exc, tb)
 
 
+def _is_context_manager(obj) -> bool:
+    cls = type(obj)
+    return hasattr(cls, "__enter__") and hasattr(cls, "__exit__")
+
+
+def call_context_fn(context_fn):
+    """``context_fn()``, checked to be a pair of context managers (as torch's checkpoint
+    expects), so that a wrong result fails with a message that says what is wrong."""
+    res = context_fn()
+    if not isinstance(res, (tuple, list)) or len(res) != 2:
+        raise TypeError(
+            "hyper_parallel: checkpoint context_fn must return a tuple of two context "
+            "managers (forward_ctx, recompute_ctx), entered around the region's forward and "
+            f"its recompute; it returned {type(res).__name__}"
+            + (f" of length {len(res)}" if isinstance(res, (tuple, list)) else f" {res!r}")
+            + ".")
+    for which, ctx in zip(("forward_ctx", "recompute_ctx"), res):
+        if not _is_context_manager(ctx):
+            raise TypeError(
+                f"hyper_parallel: checkpoint context_fn returned a {which} that is not a "
+                f"context manager ({type(ctx).__name__}: {ctx!r}); return "
+                "(forward_ctx, recompute_ctx), e.g. (contextlib.nullcontext(), "
+                "contextlib.nullcontext()).")
+    return tuple(res)
+
+
+def checked_context_fn(context_fn):
+    """A ``context_fn`` for torch's frame that checks what the user's one returns."""
+    return functools.partial(call_context_fn, context_fn)
+
+
 def _new_cache(table):
     """The C++ state of one region invocation (a seam for tests to observe caches)."""
     return _C.SacCache(table)
@@ -310,7 +355,7 @@ class SelectivePolicy:
             forward, recompute = _CachingMode(cache, fn), _CachedMode(cache, fn)
             if user_context_fn is None:
                 return forward, recompute
-            user_forward, user_recompute = user_context_fn()
+            user_forward, user_recompute = call_context_fn(user_context_fn)
             return _Nested(user_forward, forward), _Nested(user_recompute, recompute)
 
         return make_contexts

@@ -5,7 +5,10 @@ A module wrapper keeps the wrapped module as its child ``_checkpoint_wrapped_mod
 state-dict helpers already strip from fully qualified names) and is transparent:
 ``state_dict()`` keys, ``named_parameters()``/``named_buffers()``, attribute access,
 indexing, ``len`` and iteration are those of the wrapped module, and a state dict saved
-with or without wrappers loads into the other.
+with or without wrappers loads into the other. Setting (or deleting) through the wrapper
+an attribute, submodule, parameter or buffer that the wrapped module has acts on the
+wrapped module (``wrapper.fc = LoRALinear(...)`` replaces the ``fc`` its forward uses);
+names starting with ``_`` and names the wrapped module lacks stay on the wrapper.
 """
 
 from __future__ import annotations
@@ -51,16 +54,36 @@ class ActivationWrapper(nn.Module):
         except AttributeError:
             return getattr(self._modules[_PREFIX], name)
 
+    def _hp_forwards(self, name: str):
+        """The wrapped module when ``name`` is its attribute (submodule, parameter, buffer
+        or plain attribute) and not the wrapper's own: setting or deleting it through the
+        wrapper then acts on the wrapped module, which is what its forward uses."""
+        if name.startswith("_"):
+            return None  # the wrapper's own private state (and nn.Module internals)
+        d = self.__dict__
+        inner = d.get("_modules", {}).get(_PREFIX)
+        if (inner is None or name in d or name in d["_modules"]
+                or name in d.get("_parameters", ()) or name in d.get("_buffers", ())
+                or hasattr(type(self), name)):
+            return None
+        return inner if hasattr(inner, name) else None
+
     def __setattr__(self, name, value):
-        # Plain attributes that the wrapped module already has are set on it, so that
-        # `wrapper.flag = v` behaves as on the unwrapped module.
-        inner = self.__dict__.get("_modules", {}).get(_PREFIX)
-        if (inner is not None and not name.startswith("_") and name not in self.__dict__
-                and not isinstance(value, (nn.Module, nn.Parameter, torch.Tensor))
-                and hasattr(inner, name)):
+        # `wrapper.fc = nn.Linear(...)` (LoRA / TP injection), `wrapper.weight = Parameter`,
+        # `wrapper.flag = v` behave as on the unwrapped module: its forward sees them and
+        # state_dict keys stay unique. New names are set on the wrapper.
+        inner = self._hp_forwards(name)
+        if inner is not None:
             setattr(inner, name, value)
         else:
             super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        inner = self._hp_forwards(name)
+        if inner is not None:
+            delattr(inner, name)
+        else:
+            super().__delattr__(name)
 
     def __getitem__(self, idx):
         return self._checkpoint_wrapped_module[idx]

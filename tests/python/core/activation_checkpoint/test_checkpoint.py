@@ -1,6 +1,7 @@
 """checkpoint(): full and selective recompute, MUST_SWAP, swap_inputs, context_fn (SPEC 2, 4)."""
 
 import dataclasses
+import functools
 import gc
 
 import pytest
@@ -393,15 +394,18 @@ def test_nested_outputs_keep_their_gradients(policy):
 
 @pytest.mark.parametrize("policy", [None, MATMULS], ids=["full", "save_matmuls"])
 def test_tensors_passed_as_kwargs(policy):
-    def fn(x, *, weight, bias=None, debug=False):  # `debug` is also a torch checkpoint option
+    def fn(x, *, weight, bias=None, debug=False):
         out = torch.tanh(x @ weight)
+        out = out * 2 if debug else out
         return out + bias if bias is not None else out
 
     x = torch.randn(4, D, requires_grad=True)
     w = torch.randn(D, D, requires_grad=True)
     b = torch.randn(D, requires_grad=True)
-    g_ref = torch.autograd.grad(fn(x, weight=w, bias=b).pow(2).sum(), [x, w, b])
-    out = checkpoint(fn, x, weight=w, bias=b, debug=True, policy_fn=policy)
+    g_ref = torch.autograd.grad(fn(x, weight=w, bias=b, debug=True).pow(2).sum(), [x, w, b])
+    # `debug` is checkpoint's own option (as in torch): a function kwarg of that name is
+    # bound with functools.partial.
+    out = checkpoint(functools.partial(fn, debug=True), x, weight=w, bias=b, policy_fn=policy)
     assert_equal_tensors(torch.autograd.grad(out.pow(2).sum(), [x, w, b]), g_ref)
 
 

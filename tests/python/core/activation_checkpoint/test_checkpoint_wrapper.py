@@ -201,8 +201,8 @@ def test_policy_is_validated_once_at_wrap_time(monkeypatch):
 
 def test_unknown_and_wrong_arguments():
     with pytest.raises(TypeError, match=r"hyper_parallel: checkpoint_wrapper got unknown options "
-                                        r"\['use_reentrant'\]"):
-        checkpoint_wrapper(Block(), use_reentrant=True)
+                                        r"\['checkpoint_impl'\]"):
+        checkpoint_wrapper(Block(), checkpoint_impl="reentrant")
     with pytest.raises(TypeError, match="hyper_parallel: checkpoint_wrapper expects an nn.Module "
                                         "or a callable, got int"):
         checkpoint_wrapper(3)
