@@ -161,3 +161,33 @@ def table(headers: list[str], rows: list[list], title: str | None = None) -> str
 
 def verdict(ok: bool) -> str:
     return "MET" if ok else "MISSED"
+
+
+def bench_main(doc: str, add_args: Callable, run: Callable, argv=None) -> None:
+    """The command line every benchmark shares: its own arguments plus --threads and
+    --quick (7 rounds), the machine facts, then ``run(args)``."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_args(p)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="fewer rounds")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds = 7
+    set_threads(args.threads)
+    print_facts(machine_facts())
+    run(args)
+
+
+def add_llama_args(p, layers_flag: str = "--layers", rounds: int = 15) -> None:
+    """Shape of the Llama-style stack shared by the checkpoint and swap benchmarks."""
+    p.add_argument(layers_flag, type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--ffn", type=int, default=352)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--warmup", type=int, default=3)

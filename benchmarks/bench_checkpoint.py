@@ -29,12 +29,12 @@ from hyper_parallel.core.activation_checkpoint import (
 )
 
 try:  # run as a script (benchmarks/ on sys.path) or as a module of a package
-    from _common import (fmt_ratio, interleaved, machine_facts, median, mib, paired_ratio,
-                         print_facts, set_threads, table, verdict)
+    from _common import (add_llama_args, bench_main, fmt_ratio, interleaved, machine_facts,
+                         median, mib, paired_ratio, print_facts, set_threads, table, verdict)
     from _models import LlamaStack
 except ImportError:  # pragma: no cover
-    from ._common import (fmt_ratio, interleaved, machine_facts, median, mib, paired_ratio,
-                          print_facts, set_threads, table, verdict)
+    from ._common import (add_llama_args, bench_main, fmt_ratio, interleaved, machine_facts,
+                          median, mib, paired_ratio, print_facts, set_threads, table, verdict)
     from ._models import LlamaStack
 
 TARGET = 1.02  # ours / torch step time
@@ -145,28 +145,11 @@ def run_config(label, args, opts) -> dict:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--ffn", type=int, default=352)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=21)
-    p.add_argument("--warmup", type=int, default=3)
+    add_llama_args(p, "--layers", rounds=21)
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_args(p)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="fewer rounds")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.rounds = 7
-    set_threads(args.threads)
-    print_facts(machine_facts())
-    run(args)
+    bench_main(__doc__, add_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -41,12 +41,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hyper_parallel.core.activation_checkpoint import CheckpointPolicy, checkpoint_wrapper
 
 try:
-    from _common import (fmt_ratio, interleaved, machine_facts, median, paired_ratio,
-                         print_facts, set_threads, table, verdict)
+    from _common import (bench_main, fmt_ratio, interleaved, machine_facts, median,
+                         paired_ratio, print_facts, set_threads, table, verdict)
     from _models import SmallOpsBlock, count_ops
 except ImportError:  # pragma: no cover
-    from ._common import (fmt_ratio, interleaved, machine_facts, median, paired_ratio,
-                          print_facts, set_threads, table, verdict)
+    from ._common import (bench_main, fmt_ratio, interleaved, machine_facts, median,
+                          paired_ratio, print_facts, set_threads, table, verdict)
     from ._models import SmallOpsBlock, count_ops
 
 MM = torch.ops.aten.mm.default
@@ -226,16 +226,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_args(p)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="fewer rounds")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.rounds = 7
-    set_threads(args.threads)
-    print_facts(machine_facts())
-    run(args)
+    bench_main(__doc__, add_args, run, argv)
 
 
 if __name__ == "__main__":

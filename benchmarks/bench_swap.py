@@ -38,12 +38,12 @@ from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
 
 try:
-    from _common import (fmt_ratio, interleaved, machine_facts, median, paired_ratio,
-                         print_facts, set_threads, table, verdict)
+    from _common import (add_llama_args, bench_main, fmt_ratio, interleaved, machine_facts,
+                         median, paired_ratio, print_facts, set_threads, table, verdict)
     from _models import LlamaStack
 except ImportError:  # pragma: no cover
-    from ._common import (fmt_ratio, interleaved, machine_facts, median, paired_ratio,
-                          print_facts, set_threads, table, verdict)
+    from ._common import (add_llama_args, bench_main, fmt_ratio, interleaved, machine_facts,
+                          median, paired_ratio, print_facts, set_threads, table, verdict)
     from ._models import LlamaStack
 
 
@@ -287,28 +287,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=8, help="swap layers (part 1)")
     p.add_argument("--numel", default="256,65536",
                    help="floats per saved tensor, comma-separated sizes (part 1)")
-    p.add_argument("--llama-layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--ffn", type=int, default=352)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=3)
+    add_llama_args(p, "--llama-layers", rounds=15)
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_args(p)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="fewer rounds")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.rounds = 7
-    set_threads(args.threads)
-    print_facts(machine_facts())
-    run(args)
+    bench_main(__doc__, add_args, run, argv)
 
 
 if __name__ == "__main__":
