@@ -6,6 +6,7 @@ import contextlib
 import copy
 import os
 import threading
+import warnings
 import weakref
 
 import torch
@@ -180,8 +181,21 @@ class SwapManager:
                 raise TypeError(
                     "hyper_parallel: set_forward_prefetch_layer expects nn.Module layers (as "
                     f"in model.layers[i], model.layers[i + 1]) or functions, got {obj!r}")
-        a = layer_node(first, create=True)
-        b = layer_node(second, create=True)
+        wrapped = (isinstance(first, torch.nn.Module) and first.__dict__.get("_modules", {})
+                   .get("_checkpoint_wrapped_module") is second) or (
+                   isinstance(second, torch.nn.Module) and second.__dict__.get("_modules", {})
+                   .get("_checkpoint_wrapped_module") is first)
+        a = None if wrapped else layer_node(first, create=True)
+        b = None if wrapped else layer_node(second, create=True)
+        if wrapped or a is b:
+            raise ValueError("hyper_parallel: set_forward_prefetch_layer(a, b) got a wrapper and "
+                             "the module it wraps; register the wrapped layers (model.layers[i]) "
+                             "only")
+        for old, new, what in ((a.next, b, "successor"), (b.prev, a, "predecessor")):
+            if old is not None and old is not new:
+                warnings.warn(f"hyper_parallel: set_forward_prefetch_layer replaces the {what} "
+                              f"of layer '{(a if what == 'successor' else b).name}' (a layer has "
+                              "one predecessor and one successor in the chain)", stacklevel=2)
         _C.link_layers(a.layer_id, b.layer_id)
         a.next, b.prev = b, a
         for obj, node in ((first, a), (second, b)):

@@ -214,3 +214,17 @@ def test_region_end_on_another_thread_is_an_error():
     t.join()
     assert errors and "hyper_parallel: a swap region ended on a thread" in errors[0]
     _C.end_forward(group)  # the right thread can still end it
+
+
+def test_chain_edits_are_explicit():
+    from torch import nn as _nn
+
+    a, b, c = _nn.Linear(2, 2), _nn.Linear(2, 2), _nn.Linear(2, 2)
+    SwapManager().set_forward_prefetch_layer(a, b)
+    with pytest.warns(UserWarning, match="replaces the successor"):
+        SwapManager().set_forward_prefetch_layer(a, c)
+    w = swap_wrapper(_nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="hyper_parallel: .*a wrapper and the module it wraps"):
+        SwapManager().set_forward_prefetch_layer(w, w._checkpoint_wrapped_module)
+    for m in (a, b, c, w):
+        SwapManager().unregister(m)
