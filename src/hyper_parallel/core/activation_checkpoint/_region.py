@@ -27,6 +27,11 @@ REGISTERED_ONLY = _C.PackMode.REGISTERED_ONLY
 _warned_unscheduled: set[str] = set()
 
 
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread (e.g. recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def in_checkpoint_forward() -> bool:
     """True inside the forward of a torch.utils.checkpoint region (ours are built on it):
     the innermost saved-tensor hooks are its frame's. Such a frame recomputes whatever is

@@ -9,13 +9,8 @@ from torch.utils._pytree import tree_flatten
 
 from hyper_parallel._extension import _C
 
-from ._region import SWAP_ALL, Region, in_checkpoint_forward
+from ._region import SWAP_ALL, Region, in_backward, in_checkpoint_forward
 from ._swap_manager import SwapManager, layer_node
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs a backward on this thread (e.g. recompute)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def module_state_tensors(obj) -> list:

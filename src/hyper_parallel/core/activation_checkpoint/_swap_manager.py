@@ -13,12 +13,7 @@ import torch
 
 from hyper_parallel._extension import _C
 
-from ._region import REGISTERED_ONLY, Region
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs a backward on this thread (e.g. recompute)."""
-    return torch._C._current_graph_task_id() != -1
+from ._region import REGISTERED_ONLY, Region, in_backward
 
 _LAYER_ATTR = "_hyper_parallel_layer"
 
