@@ -164,7 +164,7 @@ bool SwapEngine::end_forward(const std::shared_ptr<SwapGroup>& group) {
     }
   }
   group->forward_done = true;
-  if (schedule_.releases_at_forward_end(*group)) release_locked(group, false);
+  if (schedule_.releases_at_forward_end(*group)) release_locked(group);
   retry_deferred_locked();
   return !group->manual() && !schedule_.scheduled(group->layer()) && !group->records().empty();
 }
@@ -288,7 +288,7 @@ bool SwapEngine::in_use_elsewhere(const StorageRecord& record, const c10::Storag
   return static_cast<int64_t>(storage.use_count()) - 1 > record.alias_refs.load();
 }
 
-void SwapEngine::release_locked(const std::shared_ptr<SwapGroup>& group, bool /*force_fuse*/) {
+void SwapEngine::release_locked(const std::shared_ptr<SwapGroup>& group) {
   group->released = true;
   try_offload_locked(group->records(), group->group_swap());
 }
@@ -512,7 +512,7 @@ void SwapEngine::retry_deferred_locked() {
 void SwapEngine::launch_offload(const std::shared_ptr<SwapGroup>& group) {
   HP_CHECK_VALUE(group, "launch_offload: no such swap group");
   std::lock_guard<std::mutex> lock(mu_);
-  release_locked(group, false);
+  release_locked(group);
   // From here the group lives as long as the saved tensors that need it: the engine stops
   // pinning it by name, so a manual group per step cannot accumulate.
   auto it = manual_.find(group->name());

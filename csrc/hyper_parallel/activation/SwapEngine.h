@@ -121,7 +121,7 @@ class SwapEngine {
   CopyEngine& engine_for(c10::Device device);
   HostBufferPool& pool_for(c10::Device device);
   // All under mu_:
-  void release_locked(const std::shared_ptr<SwapGroup>& group, bool force_fuse);
+  void release_locked(const std::shared_ptr<SwapGroup>& group);
   void try_offload_locked(std::vector<std::shared_ptr<StorageRecord>> candidates, bool fuse);
   void offload_batch_locked(const std::vector<std::shared_ptr<StorageRecord>>& records,
                             const std::vector<c10::Storage>& storages, bool fused);

@@ -44,7 +44,7 @@ struct SwapStats {
   int64_t host_allocations = 0, host_reuses = 0;
   int64_t fused_copies = 0, transfers = 0, on_demand_reloads = 0, deferred_frees = 0;
   double stall_seconds = 0.0;
-  int64_t live_groups = 0, live_records = 0;
+  int64_t live_records = 0;
 };
 
 }  // namespace hyper_parallel::activation
