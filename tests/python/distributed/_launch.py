@@ -298,3 +298,10 @@ def assert_close_runs(dist_run, ref_run, what: str, loss_scale=None, rtol=1e-5,
 
 def twin(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+def mesh_1d(world_size: int, name: str):
+    """A 1-D CPU mesh over the workers, through hyper_parallel's re-export."""
+    from hyper_parallel import init_device_mesh
+
+    return init_device_mesh("cpu", (world_size,), mesh_dim_names=(name,))

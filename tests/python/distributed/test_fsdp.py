@@ -24,6 +24,7 @@ from ._launch import (
     assert_equal_runs,
     batch,
     launch,
+    mesh_1d,
     local,
     loss_of,
     train,
@@ -36,9 +37,7 @@ STEPS = 3
 
 
 def _mesh(world_size):
-    from hyper_parallel import init_device_mesh
-
-    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    return mesh_1d(world_size, "dp")
 
 
 def _shard(model, mesh, **fsdp_kwargs):

@@ -23,6 +23,7 @@ from ._launch import (
     assert_equal_runs,
     batch,
     launch,
+    mesh_1d,
     local,
     train,
     twin,
@@ -34,9 +35,7 @@ STEPS = 3
 
 
 def _mesh(world_size):
-    from hyper_parallel import init_device_mesh
-
-    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    return mesh_1d(world_size, "tp")
 
 
 def _tp(model, mesh):

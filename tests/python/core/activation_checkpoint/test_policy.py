@@ -14,19 +14,6 @@ D = 8
 
 
 @pytest.fixture
-def caches(monkeypatch):
-    made = []
-    original = _selective._new_cache
-
-    def spy(table):
-        made.append(original(table))
-        return made[-1]
-
-    monkeypatch.setattr(_selective, "_new_cache", spy)
-    return made
-
-
-@pytest.fixture
 def cpu_swap_backend():
     from hyper_parallel.core.activation_checkpoint import SwapManager
 

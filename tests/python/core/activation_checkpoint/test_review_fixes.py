@@ -16,24 +16,10 @@ from hyper_parallel.core.activation_checkpoint import (
     checkpoint_wrapper,
     swap_wrapper,
 )
-from hyper_parallel.core.activation_checkpoint import _selective
 from hyper_parallel.core.activation_checkpoint._selective import PolicyOp
 
 aten = torch.ops.aten
 D = 8
-
-
-@pytest.fixture
-def caches(monkeypatch):
-    made = []
-    original = _selective._new_cache
-
-    def spy(table):
-        made.append(original(table))
-        return made[-1]
-
-    monkeypatch.setattr(_selective, "_new_cache", spy)
-    return made
 
 
 class Net(nn.Module):
