@@ -111,11 +111,18 @@ py::object pass_through(const py::object& obj, const at::Tensor& t) {
 
 class PackHook {
  public:
-  PackHook(PackMode mode, py::object policy_fn) : mode_(mode), policy_fn_(std::move(policy_fn)) {}
+  PackHook(PackMode mode, py::object policy_fn, std::shared_ptr<RegionState> state = nullptr)
+      : mode_(mode), policy_fn_(std::move(policy_fn)), state_(std::move(state)) {}
+
+  // False once the region that pushed this hook ended or was abandoned (RegionState.h).
+  bool live() const {
+    return !state_ || (state_->open && state_->generation == SwapEngine::generation());
+  }
 
   py::object operator()(const py::object& obj) const {
     if (!THPVariable_Check(obj.ptr())) return obj;
     const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+    if (!live()) return pass_through(obj, t);
     if (t.key_set().has(c10::DispatchKey::Python)) return pack_subclass(obj, t);
     if (auto* meter = SavedBytesMeter::active()) meter->observe(t);
     auto group = engine().current_group();
@@ -165,6 +172,7 @@ class PackHook {
 
   PackMode mode_;
   py::object policy_fn_;
+  std::shared_ptr<RegionState> state_;
 };
 
 py::object unpack_hook(const py::object& obj) {
@@ -210,6 +218,18 @@ py::object unpack_hook(const py::object& obj) {
   }
   return obj;
 }
+
+}  // namespace
+
+py::object make_pack_hook(PackMode mode, py::object policy_fn, std::shared_ptr<RegionState> state) {
+  return py::cast(PackHook(mode, std::move(policy_fn), std::move(state)));
+}
+
+bool is_stale_pack_hook(const py::handle& hook) {
+  return py::isinstance<PackHook>(hook) && !hook.cast<const PackHook&>().live();
+}
+
+namespace {
 
 // The live group named `name`; null when it existed but died (every tensor it held is
 // gone, so there is nothing left to move). Throws for a name never used.
@@ -270,7 +290,8 @@ void bind_swap(py::module_& m) {
 
   py::class_<PackHook>(m, "PackHook")
       .def(py::init<PackMode, py::object>(), py::arg("mode"), py::arg("policy_fn") = py::none())
-      .def("__call__", &PackHook::operator(), py::arg("tensor"));
+      .def("__call__", &PackHook::operator(), py::arg("tensor"))
+      .def_property_readonly("live", &PackHook::live);
   py::class_<DTensorHandle, std::shared_ptr<DTensorHandle>>(m, "DTensorHandle",
       "Opaque handle of a swapped saved DTensor: its local tensor's handle and its spec.")
       .def_property_readonly("local", [](const DTensorHandle& h) { return h.local; })
@@ -314,7 +335,19 @@ void bind_swap(py::module_& m) {
   m.def("set_cpu_swap", [](bool on) { engine().set_cpu_swap(on); }, py::arg("enabled"));
   m.def("cpu_swap", [] { return engine().cpu_swap(); });
   m.def("set_cpu_delay_ns_per_byte", [](double d) { engine().set_cpu_delay_ns_per_byte(d); });
-  m.def("set_prefetch_depth", [](int d) { engine().set_prefetch_depth(d); }, py::arg("depth"));
+  m.def("set_prefetch_depth", [](int64_t d) {
+    HP_CHECK_VALUE(d >= 0 && d <= 1 << 20, "prefetch depth must be an int in [0, 2**20] "
+                   "(layers reloaded ahead), got ", d);
+    engine().set_prefetch_depth(static_cast<int>(d));
+  }, py::arg("depth"));
+  m.def("set_debug_checks", [](bool on) { engine().set_debug_checks(on); }, py::arg("enabled"),
+        "Check every release and every unpack against the release rules (SwapEngine.h).");
+  m.def("debug_checks", [] { return engine().debug_checks(); });
+  m.def("_set_skip_reload_wait", [](bool on) { engine().set_skip_reload_wait(on); },
+        py::arg("skip"), "Fault injection for race tests only: unpack skips the H2D wait.");
+  m.def("scheduled_layer_count", [] { return engine().scheduled_layer_count(); });
+  m.def("thread_region_count", [] { return SwapEngine::thread_region_count(&engine()); },
+        "Open regions (groups on this thread's current-group stack).");
   m.def("prefetch_depth", [] { return engine().prefetch_depth(); });
   m.def("set_fusion_threshold", [](int64_t b) { engine().set_fusion_threshold(b); });
   m.def("fusion_threshold", [] { return engine().fusion_threshold(); });

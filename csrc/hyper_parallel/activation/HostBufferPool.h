@@ -78,6 +78,10 @@ class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
   void empty_cache();
   bool pinned() const { return pinned_; }
   void set_pinned(bool pinned);
+  // fork(): the engine's prepare handler takes the pool lock so that the child inherits it
+  // unlocked and consistent (SwapEngine, "fork"); both sides release it after the fork.
+  void lock_for_fork() { mu_.lock(); }
+  void unlock_after_fork() { mu_.unlock(); }
 
  private:
   friend class HostBlock;

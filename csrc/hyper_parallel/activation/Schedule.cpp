@@ -3,6 +3,7 @@
 #include "hyper_parallel/common/Macros.h"
 
 #include <algorithm>
+#include <unordered_set>
 
 namespace hyper_parallel::activation {
 
@@ -57,6 +58,7 @@ void Schedule::on_begin(const std::shared_ptr<SwapGroup>& group) {
           break;
         }
       }
+      if (queue.empty()) unlinked_.erase(it2);  // no entry per (layer, thread) left behind
     }
   }
   auto& mine = unlinked_[Key{layer, thread}];
@@ -109,6 +111,21 @@ std::vector<std::shared_ptr<SwapGroup>> Schedule::prefetch_targets(
     out.push_back(cur);
   }
   return out;
+}
+
+size_t Schedule::layer_count() const {
+  std::unordered_set<int64_t> layers;
+  for (const auto& kv : next_of_) layers.insert(kv.first);
+  for (const auto& kv : prev_of_) layers.insert(kv.first);
+  for (const auto& kv : unlinked_) {
+    for (const auto& w : kv.second) {
+      if (!w.expired()) {
+        layers.insert(kv.first.layer);
+        break;
+      }
+    }
+  }
+  return layers.size();
 }
 
 void Schedule::clear() {

@@ -48,6 +48,8 @@ class Schedule {
   std::vector<std::shared_ptr<SwapGroup>> prefetch_targets(const std::shared_ptr<SwapGroup>& group,
                                                             int depth) const;
   void clear();
+  // Layers with a link or with invocations waiting to be linked (bookkeeping size, tests).
+  size_t layer_count() const;
 
  private:
   int64_t next_layer_id_ = 0;

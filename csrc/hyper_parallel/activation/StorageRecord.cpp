@@ -62,4 +62,14 @@ bool StorageRecord::released_by_all_holders() const {
   return true;
 }
 
+bool StorageRecord::may_leave_device() const {
+  if (in_use_by_backward) return false;
+  for (const auto& weak : holders) {
+    if (auto group = weak.lock()) {
+      if (!group->released || group->backward_started) return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace hyper_parallel::activation

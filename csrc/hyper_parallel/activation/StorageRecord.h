@@ -68,6 +68,13 @@ class StorageRecord {
   std::vector<std::weak_ptr<SwapGroup>> holders;
   // True when every holder that is still alive has released the record.
   bool released_by_all_holders() const;
+  // True once autograd (or the selective-checkpoint cache) was handed this storage by
+  // unpack(): from then on it is being read by a backward and never leaves the device
+  // again (docs/design.md, "Who may release a storage").
+  bool in_use_by_backward = false;
+  // Whether the record may leave the device now: every live holder released it, no
+  // holder's backward has begun, and no backward was handed the storage.
+  bool may_leave_device() const;
 
   // Copy state (meaningful outside kDevice).
   std::shared_ptr<HostBlock> host;   // shared by the records of one fused bucket

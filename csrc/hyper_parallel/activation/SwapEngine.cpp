@@ -6,7 +6,12 @@
 #include <ATen/core/TensorBody.h>
 #include <c10/core/DeviceGuard.h>
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
 #include <map>
 #include <unordered_set>
 
@@ -14,8 +19,28 @@ namespace hyper_parallel::activation {
 
 namespace {
 
-// The groups whose forward is running on this thread, innermost last.
-thread_local std::vector<std::pair<const SwapEngine*, std::shared_ptr<SwapGroup>>> t_current;
+// The groups whose forward is running on this thread, innermost last, with the engine
+// generation they were begun in: reset() starts a new generation, and entries of an older
+// one (or of an abandoned region) are dropped on the next lookup, on every thread.
+struct CurrentEntry {
+  const SwapEngine* engine;
+  std::shared_ptr<SwapGroup> group;
+  uint64_t generation;
+};
+thread_local std::vector<CurrentEntry> t_current;
+std::atomic<uint64_t> g_generation{0};
+
+bool stale(const CurrentEntry& e) {
+  return e.generation != g_generation.load(std::memory_order_relaxed) ||
+         e.group->abandoned.load(std::memory_order_relaxed);
+}
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return false;
+  const std::string s(v);
+  return s == "1" || s == "true" || s == "yes" || s == "on";
+}
 
 // 1-D uint8 tensor over all bytes of `storage`, built without dispatch (no version bump,
 // no autograd): the unit that copies move.
@@ -53,15 +78,51 @@ void refill_in_place(const c10::Storage& storage, size_t nbytes, c10::Device dev
 SwapEngine::SwapEngine(SwapEngineOptions options)
     : options_(options),
       counters_(std::make_shared<SwapStatsCounters>()),
-      registry_(counters_) {}
+      registry_(counters_),
+      debug_checks_(env_flag("HYPER_PARALLEL_DEBUG_CHECKS")) {}
 
 SwapEngine::~SwapEngine() {
   if (thread_engine_) thread_engine_->drain();
 }
 
 SwapEngine& SwapEngine::global() {
-  static SwapEngine* engine = new SwapEngine();  // intentionally leaked: outlives all hooks
+  static SwapEngine* engine = [] {
+    auto* e = new SwapEngine();  // intentionally leaked: outlives all hooks
+    pthread_atfork([] { SwapEngine::global().prepare_fork(); },
+                   [] { SwapEngine::global().parent_after_fork(); },
+                   [] { SwapEngine::global().child_after_fork(); });
+    return e;
+  }();
   return *engine;
+}
+
+// ---------------------------------------------------------------- fork
+
+void SwapEngine::prepare_fork() {
+  // Lock order: engine, then the pools' leaf locks. No copy can be queued while mu_ is
+  // held, so after the drain the child inherits finished copies only.
+  mu_.lock();
+  if (thread_engine_) thread_engine_->drain();
+  for (auto* pool : {pageable_pool_.get(), pinned_pool_.get()}) {
+    if (pool) pool->lock_for_fork();
+  }
+}
+
+void SwapEngine::parent_after_fork() {
+  for (auto* pool : {pageable_pool_.get(), pinned_pool_.get()}) {
+    if (pool) pool->unlock_after_fork();
+  }
+  mu_.unlock();
+}
+
+void SwapEngine::child_after_fork() {
+  for (auto* pool : {pageable_pool_.get(), pinned_pool_.get()}) {
+    if (pool) pool->unlock_after_fork();
+  }
+  // The workers' threads were not copied into the child: joining them would hang, so the
+  // old engine is abandoned (its queues are empty) and a new one starts on first use.
+  (void)thread_engine_.release();
+  mu_.unlock();
 }
 
 // ---------------------------------------------------------------- configuration
@@ -75,7 +136,11 @@ bool SwapEngine::cpu_swap() const {
   return options_.cpu_swap;
 }
 void SwapEngine::set_cpu_delay_ns_per_byte(double delay) {
-  HP_CHECK_VALUE(delay >= 0.0, "the CPU swap delay must be >= 0 ns per byte, got ", delay);
+  // At most 1 s per byte: anything larger is a unit mistake and would overflow the
+  // worker's sleep (inf and NaN are rejected here, not inside the worker).
+  HP_CHECK_VALUE(std::isfinite(delay) && delay >= 0.0 && delay <= 1e9,
+                 "the CPU swap delay must be a finite number of nanoseconds per byte in "
+                 "[0, 1e9], got ", delay);
   std::lock_guard<std::mutex> lock(mu_);
   options_.cpu_delay_ns_per_byte = delay;
   if (thread_engine_) thread_engine_->set_delay_ns_per_byte(delay);
@@ -98,6 +163,15 @@ int64_t SwapEngine::fusion_threshold() const {
   std::lock_guard<std::mutex> lock(mu_);
   return static_cast<int64_t>(options_.fusion_threshold_bytes);
 }
+void SwapEngine::set_debug_checks(bool enabled) {
+  std::lock_guard<std::mutex> lock(mu_);
+  debug_checks_ = enabled;
+}
+bool SwapEngine::debug_checks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return debug_checks_;
+}
+void SwapEngine::set_skip_reload_wait(bool skip) { skip_reload_wait_.store(skip); }
 
 // ---------------------------------------------------------------- layer graph
 
@@ -130,15 +204,23 @@ std::shared_ptr<SwapGroup> SwapEngine::begin_forward(int64_t layer, const std::s
     if (!name.empty()) named_[name] = group;
     if (manual) manual_[name] = group;
   }
-  t_current.emplace_back(this, group);
+  t_current.push_back(CurrentEntry{this, group, g_generation.load()});
   return group;
 }
 
 namespace {
-bool pop_current(const SwapEngine* engine, const std::shared_ptr<SwapGroup>& group) {
+// Pops `group` from this thread's stack. Entries above it are regions that began inside
+// it and never ended (their bookkeeping was interrupted): they are dropped too and
+// returned, so the caller can unlink them. False when `group` is not on the stack.
+bool pop_current(const SwapEngine* engine, const std::shared_ptr<SwapGroup>& group,
+                 std::vector<std::shared_ptr<SwapGroup>>* dropped) {
   for (auto it = t_current.rbegin(); it != t_current.rend(); ++it) {
-    if (it->first == engine && it->second == group) {
-      t_current.erase(std::next(it).base());
+    if (it->engine == engine && it->group == group) {
+      auto pos = std::next(it).base();
+      for (auto above = std::next(pos); above != t_current.end(); ++above) {
+        if (above->engine == engine) dropped->push_back(above->group);
+      }
+      t_current.erase(pos, t_current.end());
       return true;
     }
   }
@@ -146,11 +228,22 @@ bool pop_current(const SwapEngine* engine, const std::shared_ptr<SwapGroup>& gro
 }
 }  // namespace
 
+size_t SwapEngine::thread_region_count(const SwapEngine* engine) {
+  size_t n = 0;
+  for (const auto& e : t_current) n += (e.engine == engine && !stale(e)) ? 1 : 0;
+  return n;
+}
+
+uint64_t SwapEngine::generation() { return g_generation.load(); }
+
 bool SwapEngine::end_forward(const std::shared_ptr<SwapGroup>& group) {
-  HP_CHECK(pop_current(this, group), "a swap region ended on a thread where it did not "
-           "begin (or ended twice). Begin and end each layer's forward on the same thread; "
-           "a model may run on several threads, but each forward call stays on one.");
+  std::vector<std::shared_ptr<SwapGroup>> dropped;
+  const bool found = pop_current(this, group, &dropped);
   std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& g : dropped) schedule_.on_abort(g);
+  HP_CHECK(found || group->abandoned.load(), "a swap region ended on a thread where it did "
+           "not begin (or ended twice). Begin and end each layer's forward on the same thread; "
+           "a model may run on several threads, but each forward call stays on one.");
   // SPEC 4.7: a registered tensor written in place after registration is an error,
   // never a silently stale copy.
   for (const auto& reg : group->registrations) {
@@ -170,21 +263,34 @@ bool SwapEngine::end_forward(const std::shared_ptr<SwapGroup>& group) {
 }
 
 void SwapEngine::abort_forward(const std::shared_ptr<SwapGroup>& group) {
-  pop_current(this, group);
+  std::vector<std::shared_ptr<SwapGroup>> dropped;
+  pop_current(this, group, &dropped);
   std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& g : dropped) schedule_.on_abort(g);
   schedule_.on_abort(group);
+}
+
+void SwapEngine::abandon_forward(const std::shared_ptr<SwapGroup>& group) {
+  group->abandoned.store(true);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!group->forward_done) schedule_.on_abort(group);
 }
 
 void SwapEngine::backward_begin(const std::shared_ptr<SwapGroup>& group) {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& g : schedule_.prefetch_targets(group, options_.prefetch_depth)) {
+    g->backward_started = true;  // its records stay on device from now on
     load_group_locked(g);
   }
 }
 
 std::shared_ptr<SwapGroup> SwapEngine::current_group() const {
+  // Entries of an older generation (reset()) or of an abandoned region are dropped here.
+  while (!t_current.empty() && t_current.back().engine == this && stale(t_current.back())) {
+    t_current.pop_back();
+  }
   for (auto it = t_current.rbegin(); it != t_current.rend(); ++it) {
-    if (it->first == this) return it->second;
+    if (it->engine == this && !stale(*it)) return it->group;
   }
   return nullptr;
 }
@@ -253,8 +359,14 @@ at::Tensor SwapEngine::unpack(const SavedHandle& handle) {
   CopyEventPtr pending;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // From here a backward reads this storage: no release point on any thread may take it
+    // off the device again (the tensor returned below shares our alias's TensorImpl, so the
+    // storage's use count cannot show autograd's reference).
+    record->in_use_by_backward = true;
+    if (const auto& g = handle.group()) g->backward_started = true;
     switch (record->state()) {
       case Residency::kDevice:
+        check_resident(*record, alias);
         return alias;
       case Residency::kOffloading:
       case Residency::kHost:
@@ -268,7 +380,7 @@ at::Tensor SwapEngine::unpack(const SavedHandle& handle) {
         break;
     }
   }
-  const double waited = pending->block_compute(record->device());
+  const double waited = skip_reload_wait_.load() ? 0.0 : pending->block_compute(record->device());
   counters_->stall_nanoseconds += static_cast<int64_t>(waited * 1e9);
   std::lock_guard<std::mutex> lock(mu_);
   if (record->state() == Residency::kReloading && record->h2d_done == pending) {
@@ -278,7 +390,18 @@ at::Tensor SwapEngine::unpack(const SavedHandle& handle) {
     record->h2d_done.reset();
     record->bucket.reset();
   }
+  check_resident(*record, alias);
   return alias;
+}
+
+void SwapEngine::check_resident(const StorageRecord& record, const at::Tensor& alias) const {
+  // SPEC 4.2 at its source: autograd is never handed a released or half-refilled storage.
+  const c10::StorageImpl* impl = alias.storage().unsafeGetStorageImpl();
+  HP_INTERNAL_ASSERT(impl->nbytes() == record.nbytes() &&
+                         (record.nbytes() == 0 || impl->data() != nullptr),
+                     "unpack would hand autograd a storage that is not resident (",
+                     impl->nbytes(), " of ", record.nbytes(), " bytes, state ",
+                     to_string(record.state()), ")");
 }
 
 // ---------------------------------------------------------------- release and reload
@@ -302,14 +425,16 @@ void SwapEngine::try_offload_locked(std::vector<std::shared_ptr<StorageRecord>> 
   for (auto& record : candidates) {
     if (!seen.insert(record->key()).second) continue;  // listed twice (deferred by two groups)
     if (record->state() != Residency::kDevice) continue;
-    if (!record->released_by_all_holders()) continue;  // the last holder to release retries
+    // The last holder to release retries; a storage in a backward never leaves.
+    if (!record->may_leave_device()) continue;
     c10::Storage storage = record->storage();
     if (!storage || storage.nbytes() != record->nbytes()) continue;
     if (in_use_elsewhere(*record, storage)) {
-      deferred_.push_back(record);
+      deferred_[std::this_thread::get_id()].push_back(record);
       counters_->deferred_frees += 1;
       continue;
     }
+    if (debug_checks_) check_release_locked(*record);
     auto key = std::make_pair(static_cast<int>(record->device().type()),
                               static_cast<int>(record->device().index()));
     ready[key].first.push_back(record);
@@ -498,13 +623,30 @@ void SwapEngine::load_group_locked(const std::shared_ptr<SwapGroup>& group) {
 }
 
 void SwapEngine::retry_deferred_locked() {
+  auto it = deferred_.find(std::this_thread::get_id());
+  if (it == deferred_.end()) return;
   std::vector<std::shared_ptr<StorageRecord>> candidates;
-  for (const auto& weak : deferred_) {
+  for (const auto& weak : it->second) {
     auto r = weak.lock();
     if (r && r->state() == Residency::kDevice) candidates.push_back(std::move(r));
   }
-  deferred_.clear();
+  deferred_.erase(it);  // what is still in use is deferred again below
   if (!candidates.empty()) try_offload_locked(std::move(candidates), false);
+}
+
+void SwapEngine::check_release_locked(const StorageRecord& record) const {
+  for (const auto& weak : record.holders) {
+    auto g = weak.lock();
+    if (!g) continue;
+    HP_INTERNAL_ASSERT(g->manual() || g->forward_done,
+                       "release of a storage whose invocation (group ", g->id(),
+                       ") has not finished its forward");
+    HP_INTERNAL_ASSERT(!g->backward_started,
+                       "release of a storage whose invocation (group ", g->id(),
+                       ") already began its backward");
+  }
+  HP_INTERNAL_ASSERT(!record.in_use_by_backward,
+                     "release of a storage that a backward was handed by unpack()");
 }
 
 // ---------------------------------------------------------------- manual control
@@ -604,12 +746,19 @@ SwapStats SwapEngine::stats() {
 void SwapEngine::reset(bool schedule) {
   counters_->reset();
   std::lock_guard<std::mutex> lock(mu_);
-  deferred_.clear();
   if (schedule) {
+    deferred_.clear();
     schedule_.clear();
     named_.clear();
     manual_.clear();
+    // Regions still open on any thread (left by an interrupted step) stop being current.
+    g_generation.fetch_add(1);
   }
+}
+
+int64_t SwapEngine::scheduled_layer_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(schedule_.layer_count());
 }
 
 void SwapEngine::synchronize() {

@@ -19,8 +19,24 @@
 // needs (layer output, skip connection, shared input) stays on device: the free is
 // deferred and retried at the next release point. See docs/design.md.
 //
+// Who may release a storage (docs/design.md, "Who may release a storage"): a storage
+// leaves the device only at a release point of the thread that ran the forward of its
+// invocation (its end of forward, or a later end of forward on that thread for a deferred
+// release), or by launch_offload of its manual group, and never once the backward of any
+// invocation holding it has begun or autograd was handed it by unpack().
+//
 // Thread-safety: every public method is thread-safe. One engine mutex guards registry,
 // groups and schedule; no copy runs and no host wait happens under it.
+//
+// fork(): the process-wide engine registers pthread_atfork handlers. Before a fork the
+// copy queues are drained under the engine lock, so the child inherits no copy in flight;
+// in the child the worker threads (which do not exist there) are abandoned and created
+// anew on first use (SPEC 4.6: "the next step behaves as in a fresh process").
+//
+// Debug checks (HYPER_PARALLEL_DEBUG_CHECKS=1, or set_debug_checks): every release
+// verifies that each holder finished its forward and has not begun its backward, and
+// every unpack verifies the storage handed to autograd is resident, so a broken rule fails
+// loudly where it is broken instead of as a wrong read later.
 
 #include "hyper_parallel/activation/AcceleratorCopyEngine.h"
 #include "hyper_parallel/activation/AliasRegistry.h"
@@ -31,9 +47,11 @@
 #include "hyper_parallel/activation/SwapStats.h"
 #include "hyper_parallel/activation/ThreadCopyEngine.h"
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -64,6 +82,12 @@ class SwapEngine {
   int prefetch_depth() const;
   void set_fusion_threshold(int64_t bytes);  // > 0
   int64_t fusion_threshold() const;
+  void set_debug_checks(bool enabled);
+  bool debug_checks() const;
+  // Fault injection for the race tests, never for production: with `skip` on, unpack
+  // does not order the compute stream after a reload's H2D copy. The race tests turn it
+  // on to prove they fail when that wait is missing (issue 18.5).
+  void set_skip_reload_wait(bool skip);
 
   // --- layer graph ---------------------------------------------------------------
   int64_t new_layer();
@@ -80,6 +104,9 @@ class SwapEngine {
   // and holds records (the caller may warn that there is no overlap).
   bool end_forward(const std::shared_ptr<SwapGroup>& group);
   void abort_forward(const std::shared_ptr<SwapGroup>& group);
+  // The region of `group` was dropped without ending (any thread): marks it abandoned, so
+  // its thread's stack entry is pruned, and unlinks it if its forward had not finished.
+  void abandon_forward(const std::shared_ptr<SwapGroup>& group);
   void backward_begin(const std::shared_ptr<SwapGroup>& group);
   // Current group of this thread, or null.
   std::shared_ptr<SwapGroup> current_group() const;
@@ -115,6 +142,18 @@ class SwapEngine {
   void synchronize();
   // Residency of the record of `t`'s storage, or nullptr when it is not managed.
   const char* residency_of(const at::Tensor& t) const;
+  // Layers known to the schedule (linked or with invocations waiting to be linked).
+  int64_t scheduled_layer_count() const;
+  // Live groups on this thread's current-group stack of `engine` (tests).
+  static size_t thread_region_count(const SwapEngine* engine);
+  // Incremented by reset(true): regions begun in an older generation are no longer current
+  // on any thread.
+  static uint64_t generation();
+
+  // fork() support (see above); called by the pthread_atfork handlers of global().
+  void prepare_fork();
+  void parent_after_fork();
+  void child_after_fork();
 
  private:
   struct Batch;
@@ -131,8 +170,13 @@ class SwapEngine {
   // one complete bucket.
   void reload_batch_locked(const std::vector<std::shared_ptr<StorageRecord>>& records);
   void load_group_locked(const std::shared_ptr<SwapGroup>& group);
+  // Retries the releases deferred by this thread's earlier release points.
   void retry_deferred_locked();
+  // Debug checks of a release (see above).
+  void check_release_locked(const StorageRecord& record) const;
   bool in_use_elsewhere(const StorageRecord& record, const c10::Storage& storage) const;
+  // Internal error unless the alias's storage is resident (SPEC 4.2).
+  void check_resident(const StorageRecord& record, const at::Tensor& alias) const;
 
   mutable std::mutex mu_;
   SwapEngineOptions options_;
@@ -144,7 +188,11 @@ class SwapEngine {
   // latest one of each name alive until its launch_offload (then its saved tensors own
   // it), until it is replaced, or until reset().
   std::unordered_map<std::string, std::shared_ptr<SwapGroup>> manual_;
-  std::vector<std::weak_ptr<StorageRecord>> deferred_;
+  // Releases postponed because the storage was still referenced, per forward thread: only
+  // that thread's later release points retry them (never another thread's forward).
+  std::unordered_map<std::thread::id, std::vector<std::weak_ptr<StorageRecord>>> deferred_;
+  bool debug_checks_ = false;
+  std::atomic<bool> skip_reload_wait_{false};
   int64_t next_group_id_ = 0;
   std::unique_ptr<ThreadCopyEngine> thread_engine_;
   std::unique_ptr<AcceleratorCopyEngine> accel_engine_;

@@ -11,6 +11,7 @@
 
 #include "hyper_parallel/activation/StorageRecord.h"
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -56,6 +57,14 @@ class SwapGroup {
   bool forward_done = false;
   bool released = false;    // this invocation allows its records to leave the device
   bool aborted = false;     // forward raised
+  // The backward of this invocation began (its pre-hook fired, a later layer's backward
+  // prefetched it, or autograd unpacked one of its tensors): its records stay on device
+  // from now on (docs/design.md, "Who may release a storage").
+  bool backward_started = false;
+  // The region of this invocation was dropped without ending (an exception inside the
+  // region bookkeeping, e.g. KeyboardInterrupt): its stack entry is pruned by the next
+  // region call on its thread. Atomic: set by a destructor without the engine lock.
+  std::atomic<bool> abandoned{false};
   std::weak_ptr<SwapGroup> prev;  // invocation of the predecessor layer in the same pass
   std::weak_ptr<SwapGroup> next;
 

@@ -156,16 +156,20 @@ CopyEventPtr ThreadCopyEngine::submit(CopyDirection direction, c10::Device devic
       [hosts = std::move(hosts), keep = std::move(keep), spans = std::move(spans), after, done,
        to_host, total, delay = delay_ns_per_byte_.load()]() {
         for (const auto& ev : after) ev->synchronize();
+        // The artificial link delay comes BEFORE the bytes move: a reader that does not
+        // wait for `done` then sees bytes that are not there yet, and memory freed or
+        // reused before its D2H ran is read too late, so a missing wait in the protocol
+        // shows up as wrong values in the race tests (issue 18.5).
+        if (delay > 0.0 && total > 0) {
+          std::this_thread::sleep_for(
+              std::chrono::nanoseconds(static_cast<int64_t>(delay * static_cast<double>(total))));
+        }
         // On the host a fused bucket needs no staging buffer: there is no DMA launch to
         // amortise, so the spans go straight to their offsets in the block (the bucket
         // still counts as one transfer).
         for (const auto& s : spans) {
           if (to_host) copy_bytes(s.host, s.device, s.n);
           else copy_bytes(s.device, s.host, s.n);
-        }
-        if (delay > 0.0 && total > 0) {
-          std::this_thread::sleep_for(
-              std::chrono::nanoseconds(static_cast<int64_t>(delay * static_cast<double>(total))));
         }
         done->set();
       });

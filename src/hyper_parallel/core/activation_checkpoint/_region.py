@@ -60,7 +60,7 @@ class Region:
     """
 
     __slots__ = ("_layer_id", "_name", "_pack_mode", "_policy_fn", "_group_swap",
-                 "_exclude", "_manual", "group", "_pushed", "_joined")
+                 "_exclude", "_manual", "_token")
 
     def __init__(self, layer_id=-1, name="", pack_mode=None, policy_fn=None, group_swap=False,
                  exclude=(), manual=False):
@@ -71,54 +71,57 @@ class Region:
         self._group_swap = group_swap
         self._exclude = exclude
         self._manual = manual
-        self.group = None
-        self._pushed = False
-        self._joined = False
+        self._token = None
 
+    @property
+    def group(self):
+        """The swap group of this invocation (``None`` before entry)."""
+        return None if self._token is None else self._token.group
+
+    @property
+    def _joined(self) -> bool:
+        return self._token is not None and self._token.joined
+
+    # Entry and exit are each ONE C++ call (csrc/bindings/BindRegion.cpp): the group push,
+    # the parameter exclusion and the hook push cannot be separated by a Python exception.
+    # A token lost anyway (an exception right after region_enter returned) is abandoned by
+    # its destructor, and its hook passes everything through until the next region call
+    # pops it (docs/design.md, "Regions and threads").
     def __enter__(self):
-        outer = _C.current_group() if self._layer_id < 0 and not self._manual else None
-        if outer is not None and outer.layer >= 0:
-            self.group, self._joined = outer, True  # the enclosing layer's invocation
-            if self._group_swap:
-                _C.set_group_swap(outer, True)
-        else:
-            self.group = _C.begin_forward(self._layer_id, self._name, self._manual,
-                                          self._group_swap)
+        push = (self._pack_mode is not None and torch.is_grad_enabled()
+                and not in_checkpoint_forward())
         try:
-            if self._exclude:
-                self.group.exclude(list(self._exclude))
-            if (self._pack_mode is not None and torch.is_grad_enabled()
-                    and not in_checkpoint_forward()):
-                torch._C._autograd._push_saved_tensors_default_hooks(
-                    _C.PackHook(self._pack_mode, self._policy_fn), _C.unpack_hook)
-                self._pushed = True
+            self._token = _C.region_enter(self._layer_id, self._name, self._manual,
+                                          self._group_swap, self._exclude or None,
+                                          self._pack_mode, self._policy_fn, push)
+            return self
         except BaseException:
-            if not self._joined:
-                _C.abort_forward(self.group)
+            if self._token is not None:
+                _C.region_exit(self._token, False)
             raise
-        return self
 
     def __exit__(self, exc_type, exc, tb):
-        if self._pushed:
-            self._pushed = False
-            torch._C._autograd._pop_saved_tensors_default_hooks()
-        if self._joined:
-            return False  # the enclosing region ends (or aborts) the group
-        if exc_type is not None:
-            _C.abort_forward(self.group)
+        if self._token is None:
             return False
-        unscheduled = _C.end_forward(self.group)
-        sample_active_meter()
-        if unscheduled and self._name not in _warned_unscheduled:
-            _warned_unscheduled.add(self._name)
-            warnings.warn(
-                f"hyper_parallel: swap region '{self._name}' is not part of a prefetch "
-                "schedule, so its activations are offloaded at the end of its forward and "
-                "reloaded only when its own backward starts, without overlap. Register the layer order "
-                "with SwapManager().set_forward_prefetch_layer(prev_layer, next_layer).",
-                stacklevel=3,
-            )
+        ok = exc_type is None
+        unscheduled = _C.region_exit(self._token, ok)
+        if ok and not self._token.joined:
+            sample_active_meter()
+        if unscheduled:
+            self._warn_unscheduled()
         return False
+
+    def _warn_unscheduled(self) -> None:
+        if self._name in _warned_unscheduled:
+            return
+        _warned_unscheduled.add(self._name)
+        warnings.warn(
+            f"hyper_parallel: swap region '{self._name}' is not part of a prefetch "
+            "schedule, so its activations are offloaded at the end of its forward and "
+            "reloaded only when its own backward starts, without overlap. Register the layer "
+            "order with SwapManager().set_forward_prefetch_layer(prev_layer, next_layer).",
+            stacklevel=4,
+        )
 
     def attach_backward(self, outputs) -> None:
         """Starts this invocation's prefetch when the gradient reaches any output."""

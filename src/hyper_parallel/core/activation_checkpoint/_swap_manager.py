@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import threading
 import warnings
@@ -26,9 +27,33 @@ _nodes: weakref.WeakSet = weakref.WeakSet()
 _tls = threading.local()
 
 
+class _Stacks(dict):
+    """One thread's region stacks (a dict subclass, so ``reset()`` can reach every thread's
+    through weak references)."""
+
+    __slots__ = ("__weakref__",)
+    __hash__ = object.__hash__  # identity: a WeakSet member
+
+
+_all_stacks: weakref.WeakSet = weakref.WeakSet()
+
+
 def _region_stack(node) -> list:
-    stacks = _tls.__dict__.setdefault("stacks", {})
+    stacks = _tls.__dict__.get("stacks")
+    if stacks is None:
+        stacks = _tls.__dict__["stacks"] = _Stacks()
+        _all_stacks.add(stacks)
     return stacks.setdefault(id(node), [])
+
+
+def _close_stale(stack: list) -> None:
+    """Aborts regions a layer's hooks opened in an earlier forward that never reached its
+    forward hooks (a KeyboardInterrupt is no ``Exception``, so torch runs no always-call
+    hook for it)."""
+    while stack:
+        region = stack.pop()
+        if region is not None:
+            region.__exit__(RuntimeError, None, None)
 
 
 class _LayerNode:
@@ -39,18 +64,23 @@ class _LayerNode:
     """
 
     def __init__(self, name: str) -> None:
-        self.layer_id = _C.new_layer()
+        self._take_layer_id()
         self.name = name
         self.prev: _LayerNode | None = None
         self.next: _LayerNode | None = None
+
+    def _take_layer_id(self) -> None:
+        # A fresh engine layer id, given back to the engine when the node dies (a dropped
+        # deep copy, a deleted model), so the schedule does not grow with dead layers.
+        self.layer_id = _C.new_layer()
+        weakref.finalize(self, _C.remove_layer, self.layer_id)
         _nodes.add(self)
 
     def __deepcopy__(self, memo):
         new = _LayerNode.__new__(_LayerNode)
         memo[id(self)] = new
-        new.layer_id = _C.new_layer()
+        new._take_layer_id()
         new.name = self.name
-        _nodes.add(new)
         new.prev = copy.deepcopy(self.prev, memo) if self.prev is not None else None
         new.next = copy.deepcopy(self.next, memo) if self.next is not None else None
         if new.prev is not None:
@@ -58,6 +88,21 @@ class _LayerNode:
         if new.next is not None:
             _C.link_layers(new.layer_id, new.next.layer_id)
         return new
+
+    # Pickling (torch.save of a model with a chain): engine layer ids belong to one
+    # process, so a loaded node takes a fresh id and relinks to whichever neighbours are
+    # already restored (the later one of each pair makes the link).
+    def __getstate__(self):
+        return {"name": self.name, "prev": self.prev, "next": self.next}
+
+    def __setstate__(self, state):
+        self._take_layer_id()
+        self.name = state["name"]
+        self.prev, self.next = state["prev"], state["next"]
+        if self.prev is not None and "layer_id" in self.prev.__dict__:
+            _C.link_layers(self.prev.layer_id, self.layer_id)
+        if self.next is not None and "layer_id" in self.next.__dict__:
+            _C.link_layers(self.layer_id, self.next.layer_id)
 
     # Forward hooks for plain modules (not our wrappers) that take part in a schedule:
     # the module's forward becomes a region in which swap_tensor_wrapper registrations
@@ -70,9 +115,12 @@ class _LayerNode:
         if in_backward() or (current is not None and current.layer == self.layer_id):
             stack.append(None)
             return
+        # Not inside this layer's own invocation: whatever this node's stack still holds
+        # was left by an interrupted earlier forward.
+        _close_stale(stack)
         region = Region(self.layer_id, self.name, REGISTERED_ONLY)
+        stack.append(region)  # before entry: an interrupt after it still finds the region
         region.__enter__()
-        stack.append(region)
 
     def post_hook(self, module, args, output):
         stack = _region_stack(self)
@@ -128,6 +176,19 @@ def layer_node(obj, create: bool = False) -> _LayerNode | None:
     return node
 
 
+def _delay_value(value, what: str) -> float:
+    """A CPU-swap delay in nanoseconds per byte, validated at the boundary."""
+    try:
+        delay = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"hyper_parallel: {what}={value!r} is not a number; give the CPU "
+                         "swap delay in nanoseconds per byte, e.g. 0.5") from None
+    if not math.isfinite(delay) or not 0.0 <= delay <= 1e9:
+        raise ValueError(f"hyper_parallel: {what}={value!r} is out of range; the CPU swap delay "
+                         "must be a finite number of nanoseconds per byte in [0, 1e9]")
+    return delay
+
+
 class SwapManager:
     """Process-wide swap schedule and statistics (a singleton: ``SwapManager()`` always
     returns the same object).
@@ -151,7 +212,8 @@ class SwapManager:
                                      "a boolean; use 1 (on) or 0 (off)")
                 delay = os.environ.get("HYPER_PARALLEL_CPU_SWAP_DELAY_NS_PER_BYTE")
                 if delay:
-                    _C.set_cpu_delay_ns_per_byte(float(delay))
+                    _C.set_cpu_delay_ns_per_byte(_delay_value(
+                        delay, "HYPER_PARALLEL_CPU_SWAP_DELAY_NS_PER_BYTE"))
                 cls._instance = inst
             return cls._instance
 
@@ -234,24 +296,42 @@ class SwapManager:
         Raises:
             ValueError: for a negative or non-integer depth.
         """
-        if isinstance(depth, bool) or not isinstance(depth, int):
-            raise ValueError(f"hyper_parallel: prefetch depth must be an int >= 0, got {depth!r}")
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= 1 << 20:
+            raise ValueError("hyper_parallel: prefetch depth must be an int in [0, 2**20] "
+                             f"(layers reloaded ahead), got {depth!r}")
         _C.set_prefetch_depth(depth)
 
     def get_prefetch_depth(self) -> int:
         return int(_C.prefetch_depth())
 
     def set_group_swap_threshold(self, nbytes: int) -> None:
-        """group_swap bucket size limit in bytes (default 32 MiB)."""
-        _C.set_fusion_threshold(int(nbytes))
+        """group_swap bucket size limit in bytes (default 32 MiB).
+
+        Raises:
+            ValueError: unless ``nbytes`` is an int in [1, 2**62].
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes <= 1 << 62:
+            raise ValueError("hyper_parallel: the group_swap threshold must be an int number of "
+                             f"bytes in [1, 2**62], got {nbytes!r}")
+        _C.set_fusion_threshold(nbytes)
 
     def set_cpu_swap(self, enabled: bool, delay_ns_per_byte: float | None = None) -> None:
         """Makes host tensors swappable through the worker-thread copy backend (tests and
         demos on machines without an accelerator); same as ``HYPER_PARALLEL_CPU_SWAP=1``.
-        ``delay_ns_per_byte`` adds an artificial copy delay."""
-        _C.set_cpu_swap(bool(enabled))
-        if delay_ns_per_byte is not None:
-            _C.set_cpu_delay_ns_per_byte(float(delay_ns_per_byte))
+        ``delay_ns_per_byte`` adds an artificial copy delay (nanoseconds per byte, applied
+        before each copy so that a missing wait reads bytes not copied yet).
+
+        Raises:
+            ValueError: for a non-bool ``enabled`` or a delay that is not a finite number in
+                [0, 1e9].
+        """
+        if not isinstance(enabled, bool):
+            raise ValueError(f"hyper_parallel: set_cpu_swap(enabled) expects a bool, got {enabled!r}")
+        delay = None if delay_ns_per_byte is None else _delay_value(delay_ns_per_byte,
+                                                                    "delay_ns_per_byte")
+        _C.set_cpu_swap(enabled)
+        if delay is not None:
+            _C.set_cpu_delay_ns_per_byte(delay)
 
     def cpu_swap_enabled(self) -> bool:
         return bool(_C.cpu_swap())
@@ -310,7 +390,10 @@ class SwapManager:
         """Clears the counters and all schedule state: layer links included, so register
         the chain again (``set_forward_prefetch_layer``) before the next step. To clear only
         the counters, use :meth:`reset_stats`."""
-        _C.reset(True)
+        _C.reset(True)  # also ends, on every thread, regions an interrupted step left open
+        _C.pop_stale_hooks()  # and their saved-tensor hooks on this thread
+        for stacks in list(_all_stacks):
+            stacks.clear()
         for node in list(_nodes):
             node.prev = node.next = None
 
@@ -321,3 +404,12 @@ class SwapManager:
     def synchronize(self) -> None:
         """Waits for every queued copy of the CPU backend (tests)."""
         _C.synchronize()
+
+
+def _after_fork_in_child() -> None:
+    # The C++ engine handles its own threads (SwapEngine.h, "fork"); here the Python lock
+    # that another thread may have held at the fork is replaced.
+    SwapManager._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
