@@ -109,15 +109,19 @@ class _LayerNode:
     # are honoured. When the forward already runs inside this layer's invocation (a
     # swap()/checkpoint()/wrapper region of the same layer) or inside a recompute, the
     # hooks open nothing: one invocation is one region.
+    #
+    # A region this node's hooks opened is on its stack only while the module's forward
+    # runs, so one still there when the next forward of the module starts was left by an
+    # interrupted forward (KeyboardInterrupt skips always-call hooks) and is aborted first.
+    # (A module calling itself inside its own forward would have its outer region aborted
+    # here: it keeps its activations on device, still correct.)
     def pre_hook(self, module, args):
         stack = _region_stack(self)
+        _close_stale(stack)
         current = _C.current_group()
         if in_backward() or (current is not None and current.layer == self.layer_id):
             stack.append(None)
             return
-        # Not inside this layer's own invocation: whatever this node's stack still holds
-        # was left by an interrupted earlier forward.
-        _close_stale(stack)
         region = Region(self.layer_id, self.name, REGISTERED_ONLY)
         stack.append(region)  # before entry: an interrupt after it still finds the region
         region.__enter__()
