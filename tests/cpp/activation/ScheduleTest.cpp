@@ -88,6 +88,21 @@ TEST(ScheduleTest, LinkReplacesEarlierLinksOfEitherLayer) {
   EXPECT_EQ(s.successor(d), c);
 }
 
+// Removing the layers of a dead model brings the bookkeeping back to where it was, links
+// and invocations waiting to be linked included (issue 18.3: deep copies).
+TEST(ScheduleTest, RemovedLayersLeaveNoBookkeeping) {
+  Chain c;
+  EXPECT_EQ(c.s.layer_count(), 3u);
+  const int64_t a = c.s.new_layer(), b = c.s.new_layer();
+  c.s.link(a, b);
+  auto ga = make_group(10, a);
+  c.s.on_begin(ga);  // an invocation of a, waiting for b's
+  EXPECT_EQ(c.s.layer_count(), 5u);
+  c.s.remove_layer(a);
+  c.s.remove_layer(b);
+  EXPECT_EQ(c.s.layer_count(), 3u);
+}
+
 TEST(ScheduleTest, RemoveLayerForgetsBothLinks) {
   Chain c;
   c.s.remove_layer(c.l1);

@@ -246,6 +246,84 @@ TEST(SwapEngineTest, StorageInUseElsewhereIsDeferredThenFreed) {
   EXPECT_TRUE(same(engine.unpack(*hd), expected_dropped));
 }
 
+// Who may release a storage (docs/design.md): a deferred release is retried only by the
+// thread that deferred it, never by another thread's release point.
+TEST(SwapEngineTest, DeferredReleaseIsRetriedOnlyByItsOwnThread) {
+  SwapEngine engine(cpu_options());
+  auto a = make_chain(engine, 2);
+  auto b = make_chain(engine, 2);
+  at::Tensor keep = at::randn({32, 32});
+  auto g0 = begin(engine, a[0]);
+  auto hk = pack(engine, g0, keep);
+  engine.end_forward(g0);  // deferred: `keep` is still referenced
+  keep.reset();
+  std::thread other([&] {
+    auto gb = begin(engine, b[0]);
+    engine.end_forward(gb);  // another thread's release point
+  });
+  other.join();
+  EXPECT_EQ(hk->record()->state(), Residency::kDevice);
+  auto g1 = begin(engine, a[1]);
+  engine.end_forward(g1);  // this thread's next release point frees it
+  EXPECT_TRUE(off_device(*hk));
+}
+
+// Once a backward holds a storage (unpack handed it out, or the invocation's backward began)
+// no release point takes it off the device again.
+TEST(SwapEngineTest, StorageHandedToBackwardStaysResident) {
+  SwapEngine engine(cpu_options());
+  engine.set_debug_checks(true);
+  auto layers = make_chain(engine, 3);
+  at::Tensor keep = at::randn({32, 32});
+  const at::Tensor expected = keep.clone();
+  auto g0 = begin(engine, layers[0]);
+  auto hk = pack(engine, g0, keep);
+  engine.end_forward(g0);  // deferred
+  keep.reset();
+  at::Tensor in_backward = engine.unpack(*hk);  // autograd now reads it
+  in_backward.reset();  // (autograd's reference is our alias: the use count cannot tell)
+  auto g1 = begin(engine, layers[1]);
+  engine.end_forward(g1);  // a release point: must not free it
+  EXPECT_EQ(hk->record()->state(), Residency::kDevice);
+  EXPECT_EQ(storage_nbytes(*hk), expected.nbytes());
+  EXPECT_TRUE(same(engine.unpack(*hk), expected));
+
+  // A group whose backward began (prefetched) is not released by a later release point.
+  at::Tensor t = at::randn({16, 16});
+  auto g2 = begin(engine, layers[0]);
+  auto ht = pack(engine, g2, t);
+  engine.end_forward(g2);  // deferred: `t` is referenced
+  t.reset();
+  engine.backward_begin(g2);
+  auto g3 = begin(engine, layers[1]);
+  engine.end_forward(g3);
+  EXPECT_EQ(ht->record()->state(), Residency::kDevice);
+  EXPECT_EQ(engine.stats().on_demand_reloads, 0);
+}
+
+// Region stacks: reset() ends, on every thread, regions that were left open, and a region
+// whose outer region ended is dropped with it.
+TEST(SwapEngineTest, ResetAndOuterEndDropRegionsLeftOpen) {
+  SwapEngine engine(cpu_options());
+  auto outer = begin(engine, -1);
+  auto inner = begin(engine, -1);  // never ended (its bookkeeping was interrupted)
+  EXPECT_EQ(SwapEngine::thread_region_count(&engine), 2u);
+  engine.end_forward(outer);
+  EXPECT_EQ(engine.current_group(), nullptr);
+  EXPECT_TRUE(inner->aborted);
+  auto left = begin(engine, -1);
+  (void)left;
+  std::thread other([&] {
+    auto g = begin(engine, -1);
+    (void)g;
+    engine.reset(true);
+    EXPECT_EQ(engine.current_group(), nullptr);
+  });
+  other.join();
+  EXPECT_EQ(engine.current_group(), nullptr);  // this thread's stale entry too
+  EXPECT_EQ(SwapEngine::thread_region_count(&engine), 0u);
+}
+
 TEST(SwapEngineTest, DeferredStorageHeldByTwoReleasedInvocationsIsOffloadedOnce) {
   // A storage deferred by two released invocations may sit twice in the deferred list;
   // the next release point must still offload it exactly once.
