@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <unordered_set>
 
@@ -570,6 +571,8 @@ void SwapEngine::reload_batch_locked(const std::vector<std::shared_ptr<StorageRe
   for (const auto& m : members) fused = fused && m->bucket == bucket;
   const c10::Device device = members.front()->device();
   CopyEngine& engine = engine_for(device);
+  const bool poison_refills =
+      device.is_cpu() && (options_.cpu_delay_ns_per_byte > 0.0 || debug_checks_);
   CopyPlan plan;
   plan.fused = fused;
   if (fused) plan.host = members.front()->host->buffer();
@@ -578,6 +581,12 @@ void SwapEngine::reload_batch_locked(const std::vector<std::shared_ptr<StorageRe
   for (size_t i = 0; i < members.size(); ++i) {
     const auto& m = members[i];
     refill_in_place(storages[i], m->nbytes(), device);
+    if (poison_refills && m->nbytes() != 0) {
+      // Test mode on the host backend: the refilled memory holds a poison pattern (NaN for
+      // floats) until the H2D copy lands, so a read that skips the wait is always wrong,
+      // never accidentally right because the allocator handed back the freed block.
+      std::memset(storages[i].mutable_data(), 0xFF, m->nbytes());
+    }
     plan.items.push_back(CopyItem{byte_view(storages[i]), m->host_offset,
                                   fused ? at::Tensor() : m->host->buffer()});
     if (std::find(after.begin(), after.end(), m->d2h_done) == after.end()) {

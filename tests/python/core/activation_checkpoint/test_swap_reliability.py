@@ -224,12 +224,15 @@ def test_race_test_fails_without_the_reload_wait(cpu_swap, dev):
     x = torch.randn(8, 16, 64)
     ref = _step(plain, x)
     assert all(torch.equal(a, b) for a, b in zip(_step(layers, x), ref))
+    # A link slow enough (65 us per KiB) that no read can come after its copy by luck.
+    SwapManager().set_cpu_swap(True, delay_ns_per_byte=1000.0)
     _C._set_skip_reload_wait(True)
     try:
         broken = _step(layers, x)
     finally:
         _C._set_skip_reload_wait(False)
         SwapManager().synchronize()
+        SwapManager().set_cpu_swap(True, delay_ns_per_byte=20.0)
     assert not all(torch.equal(a, b) for a, b in zip(broken, ref))
     assert all(torch.equal(a, b) for a, b in zip(_step(layers, x), ref))
 
