@@ -64,12 +64,16 @@ class ThreadCopyEngine::Worker {
     cv_.notify_all();
     thread_.join();
   }
+  // Wakes the worker only if it sleeps, and at most once per sleep: the poster that wakes
+  // it clears `sleeping_`, so a release point that posts a copy and then the memory to
+  // free after it signals once (issue 17: one wake-up per release point).
   void post(std::function<void()> task) {
     bool wake;
     {
       std::lock_guard<std::mutex> lock(mu_);
       tasks_.push_back(std::move(task));
       wake = sleeping_;
+      sleeping_ = false;
     }
     if (wake) cv_.notify_one();
   }
@@ -86,8 +90,10 @@ class ThreadCopyEngine::Worker {
       std::function<void()> task;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        sleeping_ = true;
-        cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+        while (!stop_ && tasks_.empty()) {
+          sleeping_ = true;  // (again after a spurious wake-up)
+          cv_.wait(lock);
+        }
         sleeping_ = false;
         if (tasks_.empty()) return;  // stop_ and nothing left
         task = std::move(tasks_.front());
