@@ -155,3 +155,30 @@ def checkpoint(function, args: tuple, kwargs: dict, policy_fn=None, context_fn=N
     if determinism_check is not None:
         options["determinism_check"] = determinism_check
     return torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
+
+
+# --------------------------------------------------------------------------- swap regions
+@torch.compiler.disable
+def swap_region_enter(wrapper, inner, policy_fn, group_swap):
+    """Opens the swap region of ``wrapper`` (a ``SwapWrapper`` traced by dynamo) eagerly:
+    the engine's group and its saved-tensor hooks are live while the compiled body that
+    follows runs, so the compiled function's saved tensors are swapped like eager ones.
+    One graph break (dynamo does not trace a disabled function); returns the region, or
+    ``None`` where the body runs plainly (recompute, no grad)."""
+    from ._swap import LayerCall, begin_swap_region
+
+    return begin_swap_region(LayerCall(wrapper, inner, inner), policy_fn, group_swap)
+
+
+@torch.compiler.disable
+def swap_region_exit(region, out, failed: bool = False):
+    """Closes what :func:`swap_region_enter` opened (the second graph break): hands the
+    group to the schedule and hooks its prefetch to the outputs' backward, or aborts
+    the group when the body raised (``failed``)."""
+    if region is None:
+        return
+    if failed:
+        region.__exit__(RuntimeError, None, None)
+        return
+    region.__exit__(None, None, None)
+    region.attach_backward(out)
