@@ -266,8 +266,11 @@ def _prepare_kwargs(checkpoint_kwargs: dict) -> dict:
 
 def _compile_kwargs(kwargs: dict) -> dict:
     """The options of :func:`_compile.checkpoint` (a region traced by dynamo)."""
-    return {k: kwargs[k] for k in ("policy_fn", "context_fn", "swap_inputs", "group_swap",
-                                   "preserve_rng_state", "determinism_check") if k in kwargs}
+    out = {k: kwargs[k] for k in ("policy_fn", "context_fn", "swap_inputs", "group_swap",
+                                  "preserve_rng_state", "determinism_check") if k in kwargs}
+    if out.get("policy_fn") is not None:
+        out["policy_fn"] = _compile.canonical_policy(out["policy_fn"])
+    return out
 
 
 def checkpoint_wrapper(module_or_fn, **checkpoint_kwargs):

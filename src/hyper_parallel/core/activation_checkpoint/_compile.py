@@ -157,6 +157,27 @@ def checkpoint(function, args: tuple, kwargs: dict, policy_fn=None, context_fn=N
     return torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
 
 
+_canonical: dict = {}
+
+
+def canonical_policy(policy):
+    """One shared object per distinct prepared policy (equal tables, or the same
+    callable). Dynamo guards the ``context_fn`` partial's arguments by identity, so
+    wrappers built with equal policies (every layer of a model) share one compiled graph
+    instead of recompiling per layer."""
+    if policy is None:
+        return None
+    if policy.table is None:
+        key = ("fn", policy.fn)
+    else:
+        key = ("table", tuple((name, int(p)) for name, p in policy.table.entries()),
+               int(policy.table.default))
+    try:
+        return _canonical.setdefault(key, policy)
+    except TypeError:  # an unhashable callable
+        return policy
+
+
 # --------------------------------------------------------------------------- swap regions
 @torch.compiler.disable
 def swap_region_enter(wrapper, inner, policy_fn, group_swap):
