@@ -178,6 +178,21 @@ def canonical_policy(policy):
         return policy
 
 
+def warn_registration_not_compiled() -> None:
+    """Reports (once) that ``swap_tensor_wrapper`` inside a traced graph registers
+    nothing. Listed in dynamo's ``reorderable_logging_functions``: dynamo runs the call
+    after the graph instead of breaking it."""
+    warn_once("swap_tensor_wrapper", (
+        "swap_tensor_wrapper was traced by torch.compile, where it registers nothing (a "
+        "tensor inside a graph has no storage until the graph runs). Inside a swap "
+        "region every saved tensor of the compiled body is swapped anyway; to swap chosen "
+        "tensors only, keep that module eager or wrap the compiled block with "
+        "swap_wrapper(torch.compile(block))."))
+
+
+torch._dynamo.config.reorderable_logging_functions.add(warn_registration_not_compiled)
+
+
 # --------------------------------------------------------------------------- swap regions
 @torch.compiler.disable
 def swap_region_enter(wrapper, inner, policy_fn, group_swap):

@@ -9,6 +9,7 @@ from torch.utils._pytree import tree_flatten
 
 from hyper_parallel._extension import _C
 
+from . import _compile
 from ._region import SWAP_ALL, Region, in_backward, in_checkpoint_forward
 from ._swap_manager import SwapManager, layer_node
 
@@ -137,6 +138,9 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False):
             modified in place after registration (SPEC 4.7).
     """
     global _warned_outside
+    if _compile.is_compiling():
+        _compile.warn_registration_not_compiled()
+        return target
     SwapManager()
     if in_backward() or not torch.is_grad_enabled() or in_checkpoint_forward():
         # Recompute, inference, or inside a checkpoint's forward (the tensor is recomputed
