@@ -201,9 +201,10 @@ def swap_region_enter(wrapper, inner, policy_fn, group_swap):
     follows runs, so the compiled function's saved tensors are swapped like eager ones.
     One graph break (dynamo does not trace a disabled function); returns the region, or
     ``None`` where the body runs plainly (recompute, no grad)."""
-    from ._swap import LayerCall, begin_swap_region
+    from ._swap import LayerCall, swap_region
 
-    return begin_swap_region(LayerCall(wrapper, inner, inner), policy_fn, group_swap)
+    region = swap_region(LayerCall(wrapper, inner, inner), policy_fn, group_swap)
+    return None if region is None else region.__enter__()
 
 
 @torch.compiler.disable

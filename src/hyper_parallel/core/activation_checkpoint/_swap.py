@@ -87,31 +87,24 @@ def swap(function, *args, policy_fn=None, group_swap=False, **kwargs):
     Raises:
         ValueError: when ``policy_fn`` returns anything but MUST_SAVE / MUST_SWAP.
     """
-    region = begin_swap_region(function, policy_fn, group_swap)
+    region = swap_region(function, policy_fn, group_swap)
     if region is None:
         return function(*args, **kwargs)
-    try:
+    with region:
         out = function(*args, **kwargs)
-    except BaseException as exc:
-        region.__exit__(type(exc), exc, exc.__traceback__)
-        raise
-    region.__exit__(None, None, None)
     region.attach_backward(out)
     return out
 
 
-def begin_swap_region(function, policy_fn=None, group_swap=False):
-    """Enters the swap region of one call of ``function`` and returns it (the caller
-    exits it and attaches its backward start), or ``None`` when the call runs plainly:
-    in recompute or without grad."""
+def swap_region(function, policy_fn=None, group_swap=False) -> Region | None:
+    """The (not yet entered) swap region of one call of ``function``, or ``None`` when
+    the call runs plainly: in recompute or without grad."""
     SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP on first use
     if in_backward() or not torch.is_grad_enabled():
         return None
     node, name, excluded = resolve_layer(function)
-    region = Region(node.layer_id if node is not None else -1, name, SWAP_ALL, policy_fn,
-                    group_swap, excluded)
-    region.__enter__()
-    return region
+    return Region(node.layer_id if node is not None else -1, name, SWAP_ALL, policy_fn,
+                  group_swap, excluded)
 
 
 _warned_outside = False
