@@ -184,6 +184,8 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     """
     if _compile.is_compiling():
         # Traced by dynamo: torch's compiled checkpoint, our policy as its contexts.
+        _torch_options(use_reentrant, preserve_rng_state, determinism_check, debug,
+                       policy_fn is not None or context_fn is not None)
         return _compile.checkpoint(
             function, args, kwargs, policy_fn, context_fn, swap_inputs, group_swap,
             preserve_rng_state, determinism_check)

@@ -182,3 +182,11 @@ def test_inductor():
     assert graph_breaks() == {} and counting.compiles == 1 and counting.runs == 2
     assert compiled[3] == eager[3]
     assert_same(eager, compiled, exact=False)
+
+
+def test_functional_checkpoint_options_are_checked_under_compile():
+    fresh()
+    _, block = twin_block()
+    f = torch.compile(lambda x: checkpoint(block, x, use_reentrant=True), backend="aot_eager")
+    with pytest.raises(Exception, match="always non-reentrant"):
+        f(torch.randn(2, 8, requires_grad=True))
