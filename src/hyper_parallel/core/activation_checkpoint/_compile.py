@@ -3,11 +3,11 @@
 Two orders exist and both keep the memory saving:
 
 * ``torch.compile(checkpoint_wrapper(block))`` (dynamo traces the wrapper). Nothing of
-  the swap engine can live in a graph (its state is C++ behind a lock, its hooks are
-  Python callbacks on saved tensors), so under tracing a checkpoint region is routed to
+  the swap engine can live in a graph (its state is C++ behind a lock, its hooks act
+  on real storages at run time), so under tracing a checkpoint region is routed to
   what torch compiles: ``torch.utils.checkpoint.checkpoint``, which dynamo turns into its
   ``tag_activation_checkpoint`` higher-order op, with torch's own selective-checkpoint
-  contexts built from our policy (:func:`torch_context_fn`). The partitioner then saves
+  contexts built from our policy (:func:`_compiled_contexts`). The partitioner then saves
   the outputs the policy keeps and recomputes the rest, as our eager modes do. What has
   no compiled meaning in torch (``MUST_SWAP``, ``swap_inputs``, ``group_swap``) is
   reported once with a warning that says what happens instead; nothing is dropped
@@ -19,7 +19,9 @@ Two orders exist and both keep the memory saving:
   disabled (pytorch/pytorch#161889), but a function that is already compiled re-enables
   its own frames, and our selective modes declare ``ignore_compile_internals``, so the
   compiled graph runs in forward and in recompute; swap hooks see the compiled
-  function's saved tensors like any others.
+  function's saved tensors like any others. A policy then sees the ATen ops the graph
+  dispatches: all of them with aot_eager, only extern kernels (``out=`` variants, never
+  cached) with inductor, where a policy therefore acts as full checkpoint.
 
 Everything reached from a traced frame is constant for dynamo (prepared objects read
 through attributes, ``torch.compiler.is_compiling()``), so nothing per call (the manager
