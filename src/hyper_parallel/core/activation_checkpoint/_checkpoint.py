@@ -22,6 +22,7 @@ from torch import nn
 
 from hyper_parallel._extension import _C
 
+from . import _compile
 from ._region import REGISTERED_ONLY, SWAP_ALL, Region
 from ._selective import checked_context_fn, compile_policy
 from ._swap import LayerCall, in_backward, resolve_layer
@@ -181,6 +182,13 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         >>> y = checkpoint(block, x, policy_fn=policy)
         >>> y = checkpoint(block, x, policy_fn=[torch.ops.aten.mm, torch.ops.aten.addmm])
     """
+    if _compile.is_compiling():
+        # Traced by dynamo: torch's compiled checkpoint, our policy as its contexts.
+        _torch_options(use_reentrant, preserve_rng_state, determinism_check, debug,
+                       policy_fn is not None or context_fn is not None)
+        return _compile.checkpoint(
+            function, args, kwargs, policy_fn, context_fn, swap_inputs, group_swap,
+            preserve_rng_state, determinism_check)
     SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP on first use
     policy = compile_policy(policy_fn)
     if context_fn is not None and not callable(context_fn):
@@ -227,11 +235,14 @@ class CheckpointWrapper(ActivationWrapper):
     def __init__(self, module: nn.Module, **checkpoint_kwargs) -> None:
         super().__init__(module)
         self._hp_checkpoint_kwargs = _prepare_kwargs(checkpoint_kwargs)
+        self._hp_compile_kwargs = _compile_kwargs(self._hp_checkpoint_kwargs)
 
     def forward(self, *args, **kwargs):
         inner = self._checkpoint_wrapped_module
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
+        if _compile.is_compiling():
+            return _compile.checkpoint(inner, args, kwargs, **self._hp_compile_kwargs)
         return checkpoint(LayerCall(self, inner, inner), *args, **self._hp_checkpoint_kwargs,
                           **kwargs)
 
@@ -252,6 +263,15 @@ def _prepare_kwargs(checkpoint_kwargs: dict) -> dict:
                    at_call=False)
     if out.get("policy_fn") is not None:
         out["policy_fn"] = compile_policy(out["policy_fn"])  # validated once
+    return out
+
+
+def _compile_kwargs(kwargs: dict) -> dict:
+    """The options of :func:`_compile.checkpoint` (a region traced by dynamo)."""
+    out = {k: kwargs[k] for k in ("policy_fn", "context_fn", "swap_inputs", "group_swap",
+                                  "preserve_rng_state", "determinism_check") if k in kwargs}
+    if out.get("policy_fn") is not None:
+        out["policy_fn"] = _compile.canonical_policy(out["policy_fn"])
     return out
 
 

@@ -202,6 +202,12 @@ def _check(res, info: _OpInfo):
 class _CachingMode(TorchDispatchMode):
     """Forward of a selective region: runs each op, asks the policy, records the call."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # A compiled block inside the region runs compiled (dynamo would otherwise fall
+        # back to eager under a mode); the mode sees the ops its graph dispatches.
+        return True
+
     def __init__(self, cache, policy_fn) -> None:
         super().__init__()
         self._cache = cache
@@ -236,6 +242,8 @@ class _CachingMode(TorchDispatchMode):
 
 class _CachedMode(TorchDispatchMode):
     """Recompute of a selective region: returns cached outputs, runs the other ops."""
+
+    ignore_compile_internals = _CachingMode.ignore_compile_internals
 
     def __init__(self, cache, policy_fn) -> None:
         super().__init__()

@@ -9,6 +9,7 @@ from torch.utils._pytree import tree_flatten
 
 from hyper_parallel._extension import _C
 
+from . import _compile
 from ._region import SWAP_ALL, Region, in_backward, in_checkpoint_forward
 from ._swap_manager import SwapManager, layer_node
 
@@ -86,16 +87,24 @@ def swap(function, *args, policy_fn=None, group_swap=False, **kwargs):
     Raises:
         ValueError: when ``policy_fn`` returns anything but MUST_SAVE / MUST_SWAP.
     """
-    SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP on first use
-    if in_backward() or not torch.is_grad_enabled():
+    region = swap_region(function, policy_fn, group_swap)
+    if region is None:
         return function(*args, **kwargs)
-    node, name, excluded = resolve_layer(function)
-    region = Region(node.layer_id if node is not None else -1, name, SWAP_ALL, policy_fn,
-                    group_swap, excluded)
     with region:
         out = function(*args, **kwargs)
     region.attach_backward(out)
     return out
+
+
+def swap_region(function, policy_fn=None, group_swap=False) -> Region | None:
+    """The (not yet entered) swap region of one call of ``function``, or ``None`` when
+    the call runs plainly: in recompute or without grad."""
+    SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP on first use
+    if in_backward() or not torch.is_grad_enabled():
+        return None
+    node, name, excluded = resolve_layer(function)
+    return Region(node.layer_id if node is not None else -1, name, SWAP_ALL, policy_fn,
+                  group_swap, excluded)
 
 
 _warned_outside = False
@@ -122,6 +131,9 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False):
             modified in place after registration (SPEC 4.7).
     """
     global _warned_outside
+    if _compile.is_compiling():
+        _compile.warn_registration_not_compiled()
+        return target
     SwapManager()
     if in_backward() or not torch.is_grad_enabled() or in_checkpoint_forward():
         # Recompute, inference, or inside a checkpoint's forward (the tensor is recomputed

@@ -18,6 +18,7 @@ import functools
 import torch
 from torch import nn
 
+from . import _compile
 from ._swap import LayerCall, in_backward, swap
 
 _PREFIX = "_checkpoint_wrapped_module"
@@ -130,6 +131,18 @@ class SwapWrapper(ActivationWrapper):
 
     def forward(self, *args, **kwargs):
         inner = self._checkpoint_wrapped_module
+        if _compile.is_compiling():
+            # Traced by dynamo: the region opens and closes eagerly around the compiled
+            # body (two graph breaks, docs/design.md "torch.compile").
+            region = _compile.swap_region_enter(self, inner, self._hp_policy_fn,
+                                                self._hp_group_swap)
+            try:
+                out = inner(*args, **kwargs)
+            except BaseException:
+                _compile.swap_region_exit(region, None, True)
+                raise
+            _compile.swap_region_exit(region, out)
+            return out
         if in_backward() or not torch.is_grad_enabled():
             return inner(*args, **kwargs)
         return swap(LayerCall(self, inner, inner), *args, policy_fn=self._hp_policy_fn,

@@ -1,0 +1,82 @@
+"""torch.compile(swap_wrapper(block)): the body is one compiled graph; the region's entry
+and exit are the only graph breaks, and the compiled body's saved tensors are swapped
+(issue 12, item 3)."""
+
+import pytest
+import torch
+
+from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
+
+from ._compile_support import (
+    CountingBackend, assert_same, fresh, graph_breaks, train_steps, twin_block, unique_graphs)
+
+
+@pytest.fixture
+def cpu_swap():
+    manager = SwapManager()
+    manager.set_cpu_swap(True)
+    manager.reset_stats()
+    yield manager
+    manager.synchronize()
+    manager.set_cpu_swap(False)
+
+
+def _region_breaks() -> int:
+    """Graph breaks at our region entry and exit; fails on any other break."""
+    breaks = graph_breaks()
+    ours = {k: v for k, v in breaks.items()
+            if "swap_region_enter" in k or "swap_region_exit" in k}
+    assert ours == breaks, list(breaks)
+    return len(ours)
+
+
+@pytest.mark.filterwarnings("ignore:hyper_parallel. swap region")
+def test_body_compiled_breaks_only_at_region_entry_and_exit(cpu_swap):
+    fresh()
+    eager_block, block = twin_block()
+    x0 = torch.randn(4, 8)
+    eager = train_steps(eager_block, x0, steps=1)
+    plain = CountingBackend()
+    saved_by_compiled = train_steps(torch.compile(twin_block()[1], backend=plain), x0,
+                                    steps=1)[3]
+    fresh()
+    counting = CountingBackend()
+    compiled = train_steps(torch.compile(swap_wrapper(block), backend=counting), x0, steps=1)
+    cpu_swap.synchronize()
+    stats = cpu_swap.stats()
+    assert _region_breaks() == 2
+    assert unique_graphs() == 1 and counting.compiles == 1 and counting.runs == 1
+    assert stats["offload_bytes"] == saved_by_compiled > 0
+    assert stats["reload_bytes"] == stats["offload_bytes"]
+    assert_same(eager, compiled)
+
+
+class Boom(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.fail = False
+
+    def forward(self, x):
+        y = self.fc(x).sin()
+        if self.fail:
+            raise RuntimeError("boom")
+        return y
+
+
+@pytest.mark.filterwarnings("ignore:hyper_parallel. swap region")
+def test_a_failing_body_leaves_nothing_installed(cpu_swap):
+    fresh()
+    boom = Boom()
+    wrapper = torch.compile(swap_wrapper(boom), backend="aot_eager")
+    x = torch.randn(2, 8, requires_grad=True)
+    wrapper(x).sum().backward()
+    boom.fail = True
+    with pytest.raises(RuntimeError, match="boom"):
+        wrapper(x)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert SwapManager().get_current_group_name() is None
+    boom.fail = False
+    grad = x.grad.clone()
+    wrapper(x).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * grad)
