@@ -96,6 +96,8 @@ void bind_checkpoint(py::module_& m) {
         py::arg("name"),
         "Small integer key of an op name ('aten.mm.default'; 'aten::mm' spellings are "
         "normalised). Keys are process-wide and stable.");
+  m.def("backward_keeps_graph", &backward_keeps_graph,
+        "Whether the backward running on this thread keeps its graph (retain_graph=True).");
   m.def("op_name", [](int64_t key) { return OpNames::name(key); }, py::arg("key"),
         "The op name of a key returned by intern_op.");
 
@@ -130,10 +132,11 @@ neither get the default. See csrc/hyper_parallel/activation/OpPolicyTable.h.)doc
 State of one selective-checkpoint region invocation: per (op, call index) either a
 'recompute' marker, cached outputs, or swap handles (MUST_SWAP). See
 csrc/hyper_parallel/activation/SacCache.h.)doc")
-      .def(py::init([](std::shared_ptr<OpPolicyTable> table) {
-             return std::make_shared<SacCache>(std::move(table));
+      .def(py::init([](std::shared_ptr<OpPolicyTable> table, bool allow_cache_entry_mutation) {
+             return std::make_shared<SacCache>(std::move(table), nullptr,
+                                               allow_cache_entry_mutation);
            }),
-           py::arg("table") = nullptr)
+           py::arg("table") = nullptr, py::arg("allow_cache_entry_mutation") = false)
       .def_property_readonly("table", [](const SacCache& c) {
         return std::const_pointer_cast<OpPolicyTable>(c.table());
       })

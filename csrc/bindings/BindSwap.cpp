@@ -21,7 +21,8 @@ SwapEngine& engine() { return SwapEngine::global(); }
 // Converts what a policy function returned into a CheckpointPolicy: ours, torch's
 // CheckpointPolicy (by member name), or nullopt.
 std::optional<CheckpointPolicy> to_policy(const py::handle& obj) {
-  if (py::isinstance<CheckpointPolicy>(obj)) return obj.cast<CheckpointPolicy>();
+  py::detail::make_caster<CheckpointPolicy> ours;
+  if (ours.load(obj, /*convert=*/false)) return py::detail::cast_op<CheckpointPolicy>(ours);
   if (py::hasattr(obj, "name") && py::hasattr(obj, "value") && !PyBool_Check(obj.ptr())) {
     py::object name = obj.attr("name");
     if (py::isinstance<py::str>(name)) return policy_from_string(name.cast<std::string>());

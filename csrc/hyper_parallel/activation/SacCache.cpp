@@ -6,8 +6,9 @@
 
 namespace hyper_parallel::activation {
 
-SacCache::SacCache(std::shared_ptr<const OpPolicyTable> table, SwapEngine* engine)
-    : table_(std::move(table)), engine_(engine) {}
+SacCache::SacCache(std::shared_ptr<const OpPolicyTable> table, SwapEngine* engine,
+                   bool allow_mutation)
+    : table_(std::move(table)), engine_(engine), allow_mutation_(allow_mutation) {}
 
 SacCache::~SacCache() = default;
 
@@ -47,7 +48,11 @@ int64_t SacCache::record(int64_t op_key, CheckpointPolicy policy,
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
-  if (static_cast<size_t>(op_key) >= entries_.size()) entries_.resize(op_key + 1);
+  if (static_cast<size_t>(op_key) >= entries_.size()) {
+    entries_.resize(op_key + 1);
+    cached_calls_.resize(op_key + 1, 0);
+  }
+  if (entry.state == State::kCached) ++cached_calls_[op_key];
   auto& calls = entries_[op_key];
   calls.push_back(std::move(entry));
   return static_cast<int64_t>(calls.size()) - 1;
@@ -72,6 +77,7 @@ std::vector<SacCache::Demoted> SacCache::end_forward() {
       if (!mutated) continue;
       e.slots.clear();
       e.state = State::kRecompute;
+      --cached_calls_[op];
       out.push_back(Demoted{static_cast<int64_t>(op), static_cast<int64_t>(i), e.policy});
     }
   }
@@ -88,15 +94,18 @@ SacCache::Replay SacCache::replay(int64_t op_key, bool retain) {
   HP_CHECK_VALUE(op_key >= 0, "invalid op key ", op_key);
   if (static_cast<size_t>(op_key) >= replay_calls_.size()) replay_calls_.resize(op_key + 1, 0);
   const int64_t index = replay_calls_[op_key]++;
-  const size_t recorded =
-      static_cast<size_t>(op_key) < entries_.size() ? entries_[op_key].size() : 0;
+  const bool known = static_cast<size_t>(op_key) < entries_.size();
+  const size_t recorded = known ? entries_[op_key].size() : 0;
+  Replay out;
+  // An op forward never cached: its calls need not line up with forward's (only cached
+  // outputs are matched by call index), so recompute just runs it.
+  if (!known || cached_calls_[op_key] == 0) return out;
   HP_CHECK(static_cast<size_t>(index) < recorded, "the recompute of a selective checkpoint "
            "region ran ", OpNames::name(op_key), " (call #", index, ") but its forward ran it ",
            recorded, " time(s). A checkpointed function must run the same ops in the same order "
            "when it is recomputed: avoid data-dependent control flow and global state that "
            "changes between forward and backward, or use full recompute (policy_fn=None).");
   Entry& entry = entries_[op_key][index];
-  Replay out;
   out.kind = entry.kind;
   if (entry.state == State::kRecompute) return out;
   HP_CHECK(entry.state != State::kDropped, "the output of ", OpNames::name(op_key), " (call #",
@@ -117,11 +126,12 @@ SacCache::Replay SacCache::replay(int64_t op_key, bool retain) {
       out.outputs.emplace_back(engine().unpack(*slot.handle).tensor_data());
     } else if (slot.value.isTensor()) {
       const at::Tensor& t = slot.value.toTensor();
-      HP_CHECK(t._version() == slot.version, "the output of ", OpNames::name(op_key), " (call #",
+      HP_CHECK(allow_mutation_ || t._version() == slot.version, "the output of ", OpNames::name(op_key), " (call #",
                index, ", shape ", t.sizes(), ") that selective checkpoint cached was modified in "
                "place after it was cached (version ", slot.version, " -> ", t._version(),
                "), so backward would read a stale value. Clone it before the in-place op, or "
-               "let the policy recompute this op (PREFER_RECOMPUTE).");
+               "let the policy recompute this op (PREFER_RECOMPUTE), or pass allow_cache_entry_mutation=True "
+               "to use the modified value.");
       out.outputs.emplace_back(t.tensor_data());
     } else {
       out.outputs.push_back(slot.value);

@@ -15,9 +15,13 @@
 //                   the handle (counted in the record's alias_refs), never another strong
 //                   tensor reference, so the engine may free the device storage.
 // Recompute walks the same sequence: replay(op) returns "run it" or the cached outputs
-// (swapped ones are made resident through SwapEngine::unpack, reloading on demand). A
-// cached tensor modified in place after the region's forward is an error, never a stale
-// value. One modified in place WITHIN the forward (e.g. empty_like filled by bernoulli_,
+// (swapped ones are made resident through SwapEngine::unpack, reloading on demand). Only
+// cached outputs must line up: an op none of whose forward calls was cached may run any
+// number of times in recompute (e.g. autocast's weight cast, which forward skipped on a
+// cache hit in a sibling region and recompute runs again; docs/design.md, "Selective
+// checkpoint"). A cached tensor modified in place after the region's forward is an error,
+// never a stale value, unless the cache allows cache-entry mutation (torch's
+// allow_cache_entry_mutation=True: the tensor is handed back as it is now). One modified in place WITHIN the forward (e.g. empty_like filled by bernoulli_,
 // or `h = x @ w; h.mul_(2)`) is demoted to "recompute" by end_forward(): the recompute
 // then replays the op and the writes after it, which rebuilds the right value.
 //
@@ -71,8 +75,11 @@ class SacCache {
  public:
   // `table`: the declarative policy used by table_policy() (may be null). `engine`: the
   // engine that packs and unpacks MUST_SWAP outputs (null: SwapEngine::global()).
+  // `allow_mutation`: hand back saved tensors modified in place after the forward instead
+  // of raising (torch.utils.checkpoint's allow_cache_entry_mutation=True). Swapped
+  // (MUST_SWAP) tensors are always checked: their host copy predates the write.
   explicit SacCache(std::shared_ptr<const OpPolicyTable> table = nullptr,
-                    SwapEngine* engine = nullptr);
+                    SwapEngine* engine = nullptr, bool allow_mutation = false);
   ~SacCache();
   SacCache(const SacCache&) = delete;
   SacCache& operator=(const SacCache&) = delete;
@@ -112,8 +119,8 @@ class SacCache {
   };
   // The next call of `op_key` in this pass. `retain`: keep the entry for another backward
   // (retain_graph=True); otherwise it is released after this replay.
-  // Throws c10::Error ("hyper_parallel: ...") when forward did not run this call (the
-  // recomputed op sequence differs), when the entry was released by an earlier backward,
+  // Throws c10::Error ("hyper_parallel: ...") when forward did not run this call of an op
+  // it cached some call of (the recomputed op sequence differs), when the entry was released by an earlier backward,
   // or when a cached tensor was modified in place after it was cached.
   Replay replay(int64_t op_key, bool retain);
 
@@ -144,8 +151,12 @@ class SacCache {
   mutable std::mutex mu_;
   std::shared_ptr<const OpPolicyTable> table_;
   SwapEngine* engine_;
+  bool allow_mutation_;
   // entries_[op_key][call index], as recorded by forward. op keys are small and dense.
   std::vector<std::vector<Entry>> entries_;
+  // cached_calls_[op_key]: forward calls of the op whose outputs were cached and not
+  // demoted by end_forward(); 0 means recompute may call the op freely.
+  std::vector<int64_t> cached_calls_;
   // replay_calls_[op_key]: calls replayed in the current recompute pass.
   std::vector<int64_t> replay_calls_;
   int64_t replays_ = 0;

@@ -24,7 +24,7 @@ from hyper_parallel._extension import _C
 
 from . import _compile
 from ._region import REGISTERED_ONLY, SWAP_ALL, Region
-from ._selective import checked_context_fn, compile_policy
+from ._selective import check_bool, compile_policy, region_context_fn
 from ._swap import LayerCall, in_backward, resolve_layer
 from ._swap_manager import SwapManager
 from ._wrappers import ActivationWrapper, _refuse_double_wrap
@@ -54,15 +54,21 @@ _DETERMINISM_CHECKS = tuple(getattr(torch_checkpoint, "_allowed_determinism_chec
 _DEFAULT_DETERMINISM = getattr(torch_checkpoint, "_DEFAULT_DETERMINISM_MODE", "default")
 
 
-def _torch_options(use_reentrant, preserve_rng_state, determinism_check, debug,
+def _torch_options(use_reentrant, preserve_rng_state, determinism_check, debug, early_stop,
                    has_context: bool, at_call: bool = True) -> dict:
     """Checks torch.utils.checkpoint's own options and returns those to pass to its frame
     (``at_call``: also heeds torch's global debug switch, which applies at call time)."""
-    if use_reentrant:
-        raise ValueError(
-            "hyper_parallel: checkpoint is always non-reentrant; use_reentrant="
-            f"{use_reentrant!r} is not supported (pass use_reentrant=False, or omit it).")
-    if determinism_check not in _DETERMINISM_CHECKS:
+    if use_reentrant is not None and use_reentrant is not False:
+        if use_reentrant is True:
+            raise ValueError(
+                "hyper_parallel: checkpoint is always non-reentrant; use_reentrant=True is "
+                "not supported (pass use_reentrant=False, or omit it).")
+        raise TypeError("hyper_parallel: checkpoint option use_reentrant must be None or "
+                        f"False; got {use_reentrant!r} ({type(use_reentrant).__name__}).")
+    for name, value in (("preserve_rng_state", preserve_rng_state), ("debug", debug),
+                        ("early_stop", early_stop)):
+        check_bool(name, value)
+    if not isinstance(determinism_check, str) or determinism_check not in _DETERMINISM_CHECKS:
         raise ValueError(
             f"hyper_parallel: checkpoint determinism_check must be one of "
             f"{list(_DETERMINISM_CHECKS)}; got {determinism_check!r}.")
@@ -81,12 +87,38 @@ def _torch_options(use_reentrant, preserve_rng_state, determinism_check, debug,
         options["determinism_check"] = determinism_check
     if debug:
         options["debug"] = True
+    if not early_stop:
+        options["early_stop"] = False
     return options
+
+
+def _debug_forced() -> bool:
+    forced = getattr(torch_checkpoint, "_checkpoint_debug_enabled", None)
+    return bool(forced)
+
+
+def _describer(function):
+    """``describe(tensor)`` for error messages: the name of a parameter or buffer of the
+    region's module (looked up only when an error is raised)."""
+    module = function if isinstance(function, nn.Module) else getattr(function, "fn", None)
+    if not isinstance(module, nn.Module):
+        return None
+
+    def describe(t):
+        for kind, items in (("buffer", module.named_buffers()),
+                            ("parameter", module.named_parameters())):
+            for name, value in items:
+                if value is t:
+                    return f"{kind} '{name}' of {type(module).__name__}"
+        return None
+
+    return describe
 
 
 def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=None,
                group_swap=False, use_reentrant=None, preserve_rng_state=True,
-               determinism_check=_DEFAULT_DETERMINISM, debug=False, **kwargs):
+               determinism_check=_DEFAULT_DETERMINISM, debug=False, early_stop=True,
+               allow_cache_entry_mutation=False, **kwargs):
     """Runs ``function(*args, **kwargs)`` as a checkpoint region (non-reentrant).
 
     The tensors ``function`` saves for backward are not kept: backward runs it again
@@ -96,6 +128,21 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     again. The region is also a swap layer: when ``function`` is a module registered with
     ``SwapManager().set_forward_prefetch_layer`` (or a :func:`checkpoint_wrapper` of one),
     its swapped tensors follow the prefetch schedule.
+
+    Where torch.utils.checkpoint recomputes from changed state, this one does not
+    (docs/design.md, "Recompute and state outside the region"):
+
+    * tensors from outside the region that its forward writes (BatchNorm's running
+      statistics, a quantization scale history) are read in recompute as forward read
+      them, and recompute never writes them again;
+    * a tensor from outside the region written after the forward read it (and not by the
+      forward) makes the recompute raise instead of computing different gradients;
+    * outputs of collective ops (functional collectives, ``torch.distributed``'s c10d ops)
+      are kept from the forward, so recompute issues no collective (whose order across
+      ranks would follow each rank's backward); a policy returning ``MUST_RECOMPUTE`` for
+      a collective overrides this, and every rank must then recompute in the same order;
+    * autocast's cast of a weight another region already cast is run again in recompute
+      without disturbing a per-op policy.
 
     Args:
         function: an ``nn.Module`` or callable.
@@ -108,19 +155,16 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
               (its ``*_CPU_OFFLOAD`` values mean ``MUST_SWAP``) or a bool (``True`` =
               ``MUST_SAVE``, ``False`` = ``PREFER_RECOMPUTE``). ``ctx.is_recompute``
               tells forward from recompute (the forward decision is replayed), and
-              ``ctx.op_output`` is the op's output in forward. ``op`` is a ``PolicyOp``:
-              ``op.name()`` and ``str(op)`` give ``"aten.addmm.default"``; it compares
-              equal to ``torch.ops.aten.addmm.default``, to the packet
-              ``torch.ops.aten.addmm`` and to the names ``"aten.addmm.default"`` /
-              ``"aten.addmm"``, and hashes as the overload. So ``op in [...]`` works
-              with any of these forms, and ``op in {...}`` / ``d.get(op)`` with sets and
-              dict keys of *overloads* (``op in {aten.mm.default, aten.addmm.default}``),
-              but a set or dict keyed by packets or names never matches ``op``: look up
-              ``op.overloadpacket`` or ``op.name()`` there instead (or use a list);
+              ``ctx.op_output`` is the op's output in forward. ``op`` is torch's own
+              ``OpOverload``, exactly as torch's selective checkpoint passes it:
+              ``op is torch.ops.aten.mm.default``, ``op in {...}``,
+              ``op.overloadpacket``; ``str(op)`` gives ``"aten.mm.default"`` and
+              ``op.name()`` torch's schema name ``"aten::mm"``;
             * a list (tuple, set) of ops: ``MUST_SAVE`` for those, ``PREFER_RECOMPUTE``
               for the rest. An op is an ``OpOverload`` (``torch.ops.aten.mm.default``),
               an ``OpOverloadPacket`` (``torch.ops.aten.mm``: every overload) or a name
-              (``"aten.mm.default"``, ``"aten.mm"``);
+              (``"aten.mm.default"`` or ``"aten::mm.default"``, ``"aten.mm"`` or
+              ``"aten::mm"``);
             * a dict op -> policy, ops as in a list; the key ``"*"`` sets the policy of
               ops not listed (default ``PREFER_RECOMPUTE``).
 
@@ -129,24 +173,32 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
             replayed, whatever the policy (caching them would be wrong or useless).
         swap_inputs: also swap the inputs the region keeps for its recompute.
         context_fn: returns ``(forward_ctx, recompute_ctx)`` context managers entered
-            around the region's forward and its recompute, as in torch; with
-            ``policy_fn`` both apply (the user's contexts outside the policy's modes).
-            ``context_fn`` must return a tuple of two context managers (else
-            ``TypeError``).
+            around the region's forward and its recompute, as in torch; they compose
+            with ours (the user's contexts outside). ``context_fn`` must return a tuple of
+            two context managers (else ``TypeError``).
         group_swap: fuse the region's small swapped tensors into few large copies.
         use_reentrant: accepted for drop-in use with ``torch.utils.checkpoint``:
             ``None`` or ``False`` (regions are always non-reentrant); ``True`` raises
             ``ValueError``.
-        preserve_rng_state, determinism_check, debug: torch.utils.checkpoint's own
-            options, passed to its frame: ``preserve_rng_state=False`` does not replay
+        preserve_rng_state, determinism_check, debug, early_stop: torch.utils.checkpoint's
+            own options, passed to its frame: ``preserve_rng_state=False`` does not replay
             the forward's RNG state in recompute; ``determinism_check`` is ``"default"``
             (recomputed tensors must match the saved ones in shape, dtype and device) or
             ``"none"``; ``debug=True`` adds traces of the forward and recomputed ops to
-            recompute errors (not with ``policy_fn`` or ``context_fn``). As in torch,
-            these names (and ``use_reentrant``) are checkpoint's own: ``function``
-            cannot receive keyword arguments with these names, or with ``policy_fn``,
+            recompute errors (not with ``policy_fn`` or ``context_fn``; a debug region
+            runs torch's frame alone, without the corrections above); ``early_stop=False``
+            recomputes the whole function instead of stopping once every saved tensor is
+            rebuilt (torch's ``set_checkpoint_early_stop`` overrides it, as in torch).
+        allow_cache_entry_mutation: torch's option of the same name: ``True`` hands back
+            a cached op output that was modified in place after the region's forward
+            instead of raising. Outputs modified later in the region's *own* forward are
+            recomputed with the in-place ops either way (torch raises for them by default,
+            and with ``True`` gives the modified value, which is wrong).
+
+            As in torch, these option names are checkpoint's own: ``function`` cannot
+            receive keyword arguments with these names, or with ``policy_fn``,
             ``swap_inputs``, ``context_fn``, ``group_swap`` (bind them with
-            ``functools.partial`` instead).
+            ``functools.partial`` instead). Flags must be bools (``1`` is refused).
 
     Returns:
         What ``function`` returns (tensors nested in tuples, lists, dicts or dataclasses
@@ -157,11 +209,11 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
             result that is not a policy (the message names the op and the value); for
             ``use_reentrant=True``, an unknown ``determinism_check``, or ``debug=True``
             with ``policy_fn`` or ``context_fn``.
-        TypeError: when ``policy_fn`` or ``context_fn`` has the wrong type, or
-            ``context_fn`` returns something other than two context managers.
+        TypeError: when ``policy_fn`` or ``context_fn`` has the wrong type, a flag is not
+            a bool, or ``context_fn`` returns something other than two context managers.
         RuntimeError: in backward, when a cached op output was modified in place after
-            the region's forward, or when the recompute runs different ops than the
-            forward.
+            the region's forward, a tensor from outside the region was modified after
+            the forward read it, or the recompute runs different ops than the forward.
 
     Notes:
         * A cached output modified in place later in the same region's forward is
@@ -176,7 +228,7 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     Example::
 
         >>> def policy(ctx, op, *args, **kwargs):
-        ...     if op.name() in {"aten.mm.default", "aten.addmm.default"}:
+        ...     if op in {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}:
         ...         return CheckpointPolicy.MUST_SAVE
         ...     return CheckpointPolicy.PREFER_RECOMPUTE
         >>> y = checkpoint(block, x, policy_fn=policy)
@@ -185,7 +237,7 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     if _compile.is_compiling():
         # Traced by dynamo: torch's compiled checkpoint, our policy as its contexts.
         _torch_options(use_reentrant, preserve_rng_state, determinism_check, debug,
-                       policy_fn is not None or context_fn is not None)
+                       early_stop, policy_fn is not None or context_fn is not None)
         return _compile.checkpoint(
             function, args, kwargs, policy_fn, context_fn, swap_inputs, group_swap,
             preserve_rng_state, determinism_check)
@@ -195,14 +247,18 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         raise TypeError("hyper_parallel: context_fn must be a callable returning "
                         f"(forward_ctx, recompute_ctx); got {type(context_fn).__name__}")
     ckpt_kwargs = _torch_options(use_reentrant, preserve_rng_state, determinism_check, debug,
-                                 policy is not None or context_fn is not None)
+                                 early_stop, policy is not None or context_fn is not None)
+    for name, value in (("swap_inputs", swap_inputs), ("group_swap", group_swap),
+                        ("allow_cache_entry_mutation", allow_cache_entry_mutation)):
+        check_bool(name, value)
     if not torch.is_grad_enabled():
         # Inference: nothing is saved for backward (torch's frame does the same).
         return function(*args, **kwargs)
-    if policy is not None:
-        ckpt_kwargs["context_fn"] = policy.context_fn(context_fn)
-    elif context_fn is not None:
-        ckpt_kwargs["context_fn"] = checked_context_fn(context_fn)
+    if not (debug or _debug_forced()):
+        # torch's debug mode brings its own context_fn: a debug region runs without ours.
+        ckpt_kwargs["context_fn"] = region_context_fn(policy, context_fn,
+                                                      allow_cache_entry_mutation,
+                                                      _describer(function))
     call, call_args = _with_bound_kwargs(function, args, kwargs)
     if in_backward():
         # A region nested in an enclosing region that backward is recomputing: it must be
@@ -248,7 +304,8 @@ class CheckpointWrapper(ActivationWrapper):
 
 
 _CHECKPOINT_OPTIONS = ("policy_fn", "swap_inputs", "context_fn", "group_swap", "use_reentrant",
-                       "preserve_rng_state", "determinism_check", "debug")
+                       "preserve_rng_state", "determinism_check", "debug", "early_stop",
+                       "allow_cache_entry_mutation")
 
 
 def _prepare_kwargs(checkpoint_kwargs: dict) -> dict:
@@ -259,8 +316,11 @@ def _prepare_kwargs(checkpoint_kwargs: dict) -> dict:
     out = dict(checkpoint_kwargs)
     _torch_options(out.get("use_reentrant"), out.get("preserve_rng_state", True),
                    out.get("determinism_check", _DEFAULT_DETERMINISM), out.get("debug", False),
+                   out.get("early_stop", True),
                    out.get("policy_fn") is not None or out.get("context_fn") is not None,
                    at_call=False)
+    for name in ("swap_inputs", "group_swap", "allow_cache_entry_mutation"):
+        check_bool(name, out.get(name, False))
     if out.get("policy_fn") is not None:
         out["policy_fn"] = compile_policy(out["policy_fn"])  # validated once
     return out
@@ -285,7 +345,8 @@ def checkpoint_wrapper(module_or_fn, **checkpoint_kwargs):
             a callable (returns a function called the same way).
         **checkpoint_kwargs: ``policy_fn``, ``swap_inputs``, ``context_fn``,
             ``group_swap``, ``use_reentrant``, ``preserve_rng_state``,
-            ``determinism_check``, ``debug``, as in :func:`checkpoint`. They are
+            ``determinism_check``, ``debug``, ``early_stop``,
+            ``allow_cache_entry_mutation``, as in :func:`checkpoint`. They are
             validated here, once (a list or dict ``policy_fn`` is also compiled here).
 
     Returns:

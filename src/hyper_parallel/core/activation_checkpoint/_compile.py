@@ -39,7 +39,13 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._policy import CheckpointPolicy, to_policy
-from ._selective import SelectiveCheckpointContext, _op_info, call_context_fn, compile_policy
+from ._selective import (
+    _COLLECTIVE,
+    SelectiveCheckpointContext,
+    _op_info,
+    call_context_fn,
+    compile_policy,
+)
 
 _TORCH_POLICY = torch_checkpoint.CheckpointPolicy
 _TO_TORCH = {
@@ -94,15 +100,20 @@ class _TorchPolicy:
 
     def __call__(self, ctx, func, *args, **kwargs):
         info = _op_info(func)
-        if info.key < 0 or (self._table is None and self._fn is None):
+        collective = info.kind == _COLLECTIVE
+        if not collective and (info.key < 0 or (self._table is None and self._fn is None)):
             return _TORCH_POLICY.PREFER_RECOMPUTE
-        if self._fn is None:
+        if self._fn is None and self._table is None:
+            ours = CheckpointPolicy.MUST_SAVE  # a collective in a full-recompute region
+        elif self._fn is None:
             ours = self._table.lookup(info.name)
         else:
             ours = to_policy(
-                self._fn(SelectiveCheckpointContext(False, ctx.op_output), info.op, *args,
+                self._fn(SelectiveCheckpointContext(False, ctx.op_output), func, *args,
                          **kwargs),
                 what=f"policy_fn for op {info.name}")
+        if collective and ours is not CheckpointPolicy.MUST_RECOMPUTE:
+            ours = CheckpointPolicy.MUST_SAVE  # kept, as in eager (_collectives.py)
         if ours == CheckpointPolicy.MUST_SWAP:
             _warn_swap_under_compile("CheckpointPolicy.MUST_SWAP")
         return _TO_TORCH[ours]

@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 
 from hyper_parallel._extension import _C
 
@@ -39,6 +40,38 @@ class SavedActivationMeter:
 _active: SavedActivationMeter | None = None
 
 
+def active_meter():
+    """The active meter's C++ ``SavedBytesMeter`` (``observe(tensor)``), or ``None``."""
+    return None if _active is None else _active._meter
+
+
+class _CountedVersionWrapper:
+    """Stands in for torch.utils.checkpoint's ``_VersionWrapper`` (the box torch's own
+    selective checkpoint caches each saved op output in) while a meter is active, so the
+    meter counts torch's cache as it counts ours and the benchmarks compare alike."""
+
+    def __init__(self, base, meter) -> None:
+        self._base, self._meter = base, meter
+
+    def __call__(self, val):
+        if isinstance(val, torch.Tensor):
+            self._meter.observe(val)
+        return self._base(val)
+
+
+@contextlib.contextmanager
+def _counting_torch_sac(meter) -> Iterator[None]:
+    base = getattr(torch_checkpoint, "_VersionWrapper", None)
+    if base is None:  # another torch: its cache is not counted
+        yield
+        return
+    torch_checkpoint._VersionWrapper = _CountedVersionWrapper(base, meter)
+    try:
+        yield
+    finally:
+        torch_checkpoint._VersionWrapper = base
+
+
 def sample_active_meter() -> None:
     """Called at region boundaries (where the engine frees or reloads memory)."""
     if _active is not None:
@@ -51,8 +84,11 @@ def saved_activation_memory() -> Iterator[SavedActivationMeter]:
 
     Every tensor autograd saves inside the block is observed once per storage, whether it
     is saved directly, inside a swap region (then an offloaded storage counts 0 bytes
-    while it is on the host) or as an input of a checkpoint region. Tensors that a
-    checkpoint region recomputes are never saved, so they do not count.
+    while it is on the host) or as an input of a checkpoint region, and so is every op
+    output a selective checkpoint caches: ours, and torch's own
+    (``torch.utils.checkpoint.create_selective_checkpoint_contexts``), so that the two
+    compare alike. Tensors that a checkpoint region recomputes are never saved, so they
+    do not count.
 
     Example::
 
@@ -69,7 +105,8 @@ def saved_activation_memory() -> Iterator[SavedActivationMeter]:
     meter._meter.activate()
     _active = meter
     try:
-        with torch.autograd.graph.saved_tensors_hooks(meter._meter.observe, _C.unpack_hook):
+        with torch.autograd.graph.saved_tensors_hooks(meter._meter.observe, _C.unpack_hook), \
+                _counting_torch_sac(meter._meter):
             yield meter
         meter.sample()
     finally:

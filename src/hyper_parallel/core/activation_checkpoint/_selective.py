@@ -1,13 +1,19 @@
-"""Selective checkpoint: per-op policies as two TorchDispatchModes over a C++ cache.
+"""Region modes: two TorchDispatchModes per checkpoint region invocation (docs/design.md,
+"Selective checkpoint").
 
-A checkpoint region with a ``policy_fn`` runs its forward under :class:`_CachingMode`
-and its recompute under :class:`_CachedMode`, both handed to torch's non-reentrant
-checkpoint frame through ``context_fn``. They are thin: the state of one region
-invocation (entries keyed by op and call index, cached outputs with their versions,
-swap handles for ``MUST_SWAP``) lives in ``_C.SacCache``, and a declarative policy (a
-list or dict of ops) is an ``_C.OpPolicyTable`` evaluated in C++, so a region that uses
-one makes no Python call per op to decide. Ops reach C++ as small integer keys, mapped
-once per op object here.
+Every checkpoint region runs its forward under :class:`_CachingMode` and its recompute
+under :class:`_CachedMode`, both handed to torch's non-reentrant checkpoint frame through
+``context_fn`` (:func:`region_context_fn`; :func:`create_selective_checkpoint_contexts`
+gives the same pair to torch's own checkpoint). They share one :class:`_RegionState`:
+
+* with a per-op policy, the C++ ``_C.SacCache`` (entries keyed by op and call index,
+  cached outputs with their versions, swap handles for ``MUST_SWAP``); a declarative
+  policy (a list or dict of ops) is an ``_C.OpPolicyTable`` evaluated in C++, so a region
+  that uses one makes no Python call per op to decide. Ops reach C++ as small integer
+  keys, mapped once per op object here. The policy receives torch's own ``OpOverload``;
+* always, the tensors read from outside the region (``_external.py``: recompute sees the
+  values forward saw and never writes them) and the kept collective results
+  (``_collectives.py``: recompute issues no collective).
 
 Ops that are never cached, whatever the policy says, because caching them would be wrong
 or useless: ops that write their arguments (in-place and ``out=`` variants: skipping
@@ -30,7 +36,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyper_parallel._extension import _C
 
+from . import _memory
+from ._collectives import FUNCTIONAL_NAMESPACES, Collectives, is_collective
+from ._external import ExternalTensors
 from ._policy import CheckpointPolicy, to_policy
+from ._region import Region, in_backward
 
 _RECOMPUTE = _C.SAC_RECOMPUTE
 _MUST_SAVE = CheckpointPolicy.MUST_SAVE
@@ -59,90 +69,40 @@ class SelectiveCheckpointContext:
         self.op_output = op_output
 
 
-class PolicyOp:
-    """The ``op`` a checkpoint ``policy_fn`` receives: the ATen op overload that ran.
-
-    Named as the user guide expects: ``op.name()`` and ``str(op)`` give
-    ``"aten.addmm.default"`` (torch's own ``OpOverload.name()`` would say
-    ``"aten::addmm"``); other attributes (``_schema``, ``tags``, ``overloadpacket``) are
-    the overload's, and calling it calls the overload.
-
-    Comparisons: ``op == x`` is true when ``x`` is its ``OpOverload``
-    (``torch.ops.aten.addmm.default``), its packet (``torch.ops.aten.addmm``), or the
-    name of either as a string (``"aten.addmm.default"``, ``"aten.addmm"``,
-    ``"aten::addmm"``). Its hash is the overload's, so:
-
-    * ``op in [...]`` / ``op in (...)`` (lists and tuples compare with ``==``) works for
-      every one of these forms, mixed freely;
-    * ``op in {...}`` and ``d[op]`` / ``d.get(op)`` (sets and dict keys compare by hash
-      first) work for sets and dicts of **overloads**, the torch idiom
-      ``op in {aten.mm.default, aten.addmm.default}``;
-    * sets and dict keys of **packets or names** cannot match ``op`` (no single hash can
-      equal that of the overload, the packet and both names). Look up the matching
-      form instead: ``op.overloadpacket in {aten.mm, aten.addmm}``,
-      ``op.name() in {"aten.mm.default"}``, ``str(op.overloadpacket) in {"aten.mm"}``,
-      ``d.get(op.overloadpacket)`` -- or use a list.
-    """
-
-    __slots__ = ("overload", "_name", "_packet_name")
-
-    def __init__(self, overload: OpOverload) -> None:
-        self.overload = overload
-        self._name = str(overload)
-        self._packet_name = str(overload.overloadpacket)
-
-    def name(self) -> str:
-        return self._name
-
-    def __str__(self) -> str:
-        return self._name
-
-    def __repr__(self) -> str:
-        return self._name
-
-    def __eq__(self, other):
-        if isinstance(other, PolicyOp):
-            return other.overload is self.overload
-        if isinstance(other, OpOverload):
-            return other is self.overload
-        if isinstance(other, OpOverloadPacket):
-            return other is self.overload.overloadpacket
-        if isinstance(other, str):
-            name = other.replace("::", ".", 1)
-            return name == self._name or name == self._packet_name
-        return NotImplemented
-
-    def __ne__(self, other):
-        eq = self.__eq__(other)
-        return eq if eq is NotImplemented else not eq
-
-    def __hash__(self) -> int:
-        return hash(self.overload)
-
-    def __call__(self, *args, **kwargs):
-        return self.overload(*args, **kwargs)
-
-    def __getattr__(self, name):
-        if name in PolicyOp.__slots__:  # not set yet (copy, unpickling)
-            raise AttributeError(name)
-        return getattr(self.overload, name)
+_PLAIN, _IGNORED, _COLLECTIVE = 0, 1, 2
+_TO_COPY = torch.ops.aten._to_copy.default
 
 
 class _OpInfo:
-    __slots__ = ("key", "op", "name")
+    __slots__ = ("key", "name", "kind", "writes")
 
-    def __init__(self, key: int, op, name: str) -> None:
+    def __init__(self, key: int, name: str, kind: int, writes: tuple) -> None:
         self.key = key  # -1: never cached (see module docstring)
-        self.op = op
         self.name = name
+        self.kind = kind
+        self.writes = writes  # argument positions the op writes (-1: the out= kwarg)
 
 
 _OP_INFO: dict = {}
 
 
+def _written_args(func) -> tuple:
+    if is_collective(func):
+        return (0,) if func.namespace == "c10d" and func._schema.name.endswith("_") else ()
+    if not isinstance(func, OpOverload) or not func._schema.is_mutable:
+        return ()
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            out.append(-1 if arg.kwarg_only else i)
+    return tuple(out)
+
+
 def _cacheable(func) -> bool:
     if func in _IGNORED_OPS or not isinstance(func, OpOverload):
         return False
+    if func.namespace in FUNCTIONAL_NAMESPACES:
+        return False  # wait_tensor: it only waits (the collectives are kept, see below)
     schema = func._schema
     if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
         return False
@@ -152,13 +112,30 @@ def _cacheable(func) -> bool:
 def _op_info(func) -> _OpInfo:
     info = _OP_INFO.get(func)
     if info is None:
-        if _cacheable(func):
-            name = str(func)
-            info = _OpInfo(int(_C.intern_op(name)), PolicyOp(func), name)
+        name = str(func)
+        if isinstance(func, OpOverload) and is_collective(func):
+            info = _OpInfo(int(_C.intern_op(name)), name, _COLLECTIVE, _written_args(func))
+        elif _cacheable(func):
+            info = _OpInfo(int(_C.intern_op(name)), name, _PLAIN, ())
         else:
-            info = _OpInfo(-1, None, str(func))
+            info = _OpInfo(-1, name, _IGNORED, _written_args(func))
         _OP_INFO[func] = info
     return info
+
+
+def _autocast_weight_cast(func, args) -> bool:
+    """Whether ``func(*args)`` is autocast casting a leaf that requires grad (a weight).
+
+    Autocast caches those casts for the rest of the outermost autocast block, so a region
+    that uses a weight another region already cast does not run the cast in forward, but
+    its recompute (a new autocast block in backward) does. Such casts are never cached and
+    not counted, so the calls of every other op still line up (and autocast's cache keeps
+    doing the work of saving them)."""
+    if func is not _TO_COPY or not args:
+        return False
+    t = args[0]
+    return (isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
+            and torch.is_autocast_enabled(t.device.type))
 
 
 _warned_uncacheable: set = set()
@@ -199,8 +176,46 @@ def _check(res, info: _OpInfo):
     return to_policy(res, what=f"policy_fn for op {info.name}")
 
 
+def _observe_kept(t) -> None:
+    meter = _memory.active_meter()
+    if meter is not None:
+        meter.observe(t)
+
+
+class _RegionState:
+    """What the forward and the recompute of one region invocation share: the C++ cache of
+    a per-op policy (``None`` for full recompute), the record of tensors from outside the
+    region, and the kept collective results."""
+
+    __slots__ = ("cache", "policy_fn", "table", "external", "collectives", "may_swap", "region")
+
+    def __init__(self, policy, allow_cache_entry_mutation: bool, describe) -> None:
+        if policy is None:
+            self.cache = self.policy_fn = self.table = None
+            self.may_swap = False
+        else:
+            self.table, self.policy_fn = policy.table, policy.fn
+            self.cache = _new_cache(policy.table, allow_cache_entry_mutation)
+            self.may_swap = policy.may_swap
+        self.external = ExternalTensors(describe)
+        self.collectives = Collectives(_observe_kept)
+        self.region = None
+
+    def keep_collective(self, info: _OpInfo, func, args, kwargs, out) -> bool:
+        """Collectives are kept unless the policy says MUST_RECOMPUTE."""
+        if self.policy_fn is not None:
+            res = _check(self.policy_fn(SelectiveCheckpointContext(False, out), func, *args,
+                                        **kwargs), info)
+        elif self.table is not None:
+            res = self.table.policy_for(info.key)
+        else:
+            return True
+        return res is not CheckpointPolicy.MUST_RECOMPUTE
+
+
 class _CachingMode(TorchDispatchMode):
-    """Forward of a selective region: runs each op, asks the policy, records the call."""
+    """Forward of a region: runs each op, records what recompute needs (the policy's
+    decision and cached outputs, external tensors, collective results)."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -208,62 +223,90 @@ class _CachingMode(TorchDispatchMode):
         # back to eager under a mode); the mode sees the ops its graph dispatches.
         return True
 
-    def __init__(self, cache, policy_fn) -> None:
+    def __init__(self, state: _RegionState) -> None:
         super().__init__()
-        self._cache = cache
-        self._policy_fn = policy_fn  # None: the cache's C++ table decides
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        info = _OP_INFO.get(func) or _op_info(func)
-        if kwargs is None:
-            kwargs = {}
-        out = func(*args, **kwargs)
-        if info.key < 0:
-            return out
-        if self._policy_fn is None:
-            ok = self._cache.record(info.key, out)
-        else:
-            res = self._policy_fn(SelectiveCheckpointContext(False, out), info.op, *args,
-                                  **kwargs)
-            ok = self._cache.record(info.key, out, _check(res, info))
-        if not ok:
-            _warn_uncacheable(info.name, out)
-        return out
-
-    def __exit__(self, exc_type, exc, tb):
-        result = super().__exit__(exc_type, exc, tb)
-        if exc_type is None:
-            # Outputs written in place later in this forward are replayed instead.
-            for name, call, policy in self._cache.end_forward():
-                if policy in _MUST_KEEP:
-                    _warn_demoted(name, call, policy)
-        return result
-
-
-class _CachedMode(TorchDispatchMode):
-    """Recompute of a selective region: returns cached outputs, runs the other ops."""
-
-    ignore_compile_internals = _CachingMode.ignore_compile_internals
-
-    def __init__(self, cache, policy_fn) -> None:
-        super().__init__()
-        self._cache = cache
-        self._policy_fn = policy_fn
+        self._state = state
 
     def __enter__(self):
-        self._cache.begin_recompute()
+        st = self._state
+        if st.may_swap and _C.current_group() is None and not in_backward():
+            # Under torch's own checkpoint (no region of ours): MUST_SWAP outputs still need
+            # a swap group. Without a schedule they are reloaded on demand in backward.
+            st.region = Region()
+            st.region.__enter__()
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         info = _OP_INFO.get(func) or _op_info(func)
         if kwargs is None:
             kwargs = {}
-        if info.key < 0:
+        st = self._state
+        st.external.forward_inputs(args, kwargs, info.writes)
+        out = func(*args, **kwargs)
+        st.external.forward_outputs(out)
+        kind = info.kind
+        if kind == _COLLECTIVE:
+            st.collectives.record(func, args, out,
+                                  st.keep_collective(info, func, args, kwargs, out))
+            return out
+        if kind != _PLAIN or st.cache is None or _autocast_weight_cast(func, args):
+            return out
+        if st.policy_fn is None:
+            ok = st.cache.record(info.key, out)
+        else:
+            res = st.policy_fn(SelectiveCheckpointContext(False, out), func, *args, **kwargs)
+            ok = st.cache.record(info.key, out, _check(res, info))
+        if not ok:
+            _warn_uncacheable(info.name, out)
+        return out
+
+    def __exit__(self, exc_type, exc, tb):
+        result = super().__exit__(exc_type, exc, tb)
+        st = self._state
+        st.external.end_forward()
+        if exc_type is None and st.cache is not None:
+            # Outputs written in place later in this forward are replayed instead.
+            for name, call, policy in st.cache.end_forward():
+                if policy in _MUST_KEEP:
+                    _warn_demoted(name, call, policy)
+        if st.region is not None:
+            region, st.region = st.region, None
+            region.__exit__(exc_type, exc, tb)
+        return result
+
+
+class _CachedMode(TorchDispatchMode):
+    """Recompute of a region: external tensors read as forward saw them, cached outputs and
+    kept collective results handed back, the other ops run."""
+
+    ignore_compile_internals = _CachingMode.ignore_compile_internals
+
+    def __init__(self, state: _RegionState) -> None:
+        super().__init__()
+        self._state = state
+
+    def __enter__(self):
+        st = self._state
+        if st.cache is not None:
+            st.cache.begin_recompute()
+        st.external.begin_recompute()
+        st.collectives.begin_recompute()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        info = _OP_INFO.get(func) or _op_info(func)
+        if kwargs is None:
+            kwargs = {}
+        st = self._state
+        args, kwargs = st.external.recompute_args(info.name, args, kwargs)
+        kind = info.kind
+        if kind == _COLLECTIVE:
+            return st.collectives.replay(func, args, kwargs, _C.backward_keeps_graph())
+        if kind != _PLAIN or st.cache is None or _autocast_weight_cast(func, args):
             return func(*args, **kwargs)
-        if self._policy_fn is not None:
-            _check(self._policy_fn(SelectiveCheckpointContext(True), info.op, *args, **kwargs),
-                   info)
-        out = self._cache.replay(info.key)
+        if st.policy_fn is not None:
+            _check(st.policy_fn(SelectiveCheckpointContext(True), func, *args, **kwargs), info)
+        out = st.cache.replay(info.key)
         if out is _RECOMPUTE:
             return func(*args, **kwargs)
         return out
@@ -322,9 +365,9 @@ def checked_context_fn(context_fn):
     return functools.partial(call_context_fn, context_fn)
 
 
-def _new_cache(table):
+def _new_cache(table, allow_cache_entry_mutation=False):
     """The C++ state of one region invocation (a seam for tests to observe caches)."""
-    return _C.SacCache(table)
+    return _C.SacCache(table, allow_cache_entry_mutation)
 
 
 class SelectivePolicy:
@@ -350,23 +393,68 @@ class SelectivePolicy:
         # The C++ table is rebuilt from its entries (torch.save of a wrapped model).
         if self.table is None:
             return (SelectivePolicy, (None, self.fn))
-        entries = [(name, int(policy)) for name, policy in self.table.entries()]
-        return (_policy_from_entries, (entries, int(self.table.default)))
+        entries = [(name, policy.value) for name, policy in self.table.entries()]
+        return (_policy_from_entries, (entries, self.table.default.value))
 
-    def context_fn(self, user_context_fn=None):
-        """A ``context_fn`` for torch's checkpoint: a fresh cache per region invocation,
-        composed with the user's ``(forward_ctx, recompute_ctx)`` (theirs outside)."""
-        table, fn = self.table, self.fn
 
-        def make_contexts():
-            cache = _new_cache(table)
-            forward, recompute = _CachingMode(cache, fn), _CachedMode(cache, fn)
-            if user_context_fn is None:
-                return forward, recompute
-            user_forward, user_recompute = call_context_fn(user_context_fn)
-            return _Nested(user_forward, forward), _Nested(user_recompute, recompute)
 
-        return make_contexts
+def region_context_fn(policy: SelectivePolicy | None = None, user_context_fn=None,
+                      allow_cache_entry_mutation: bool = False, describe=None):
+    """A ``context_fn`` for torch's checkpoint frame: a fresh region state per invocation
+    (the policy's cache, external tensors, kept collectives; see :class:`_RegionState`),
+    composed with the user's ``(forward_ctx, recompute_ctx)`` (theirs outside ours).
+
+    ``describe(tensor) -> str | None`` names a tensor in error messages."""
+
+    def make_contexts():
+        state = _RegionState(policy, allow_cache_entry_mutation, describe)
+        forward, recompute = _CachingMode(state), _CachedMode(state)
+        if user_context_fn is None:
+            return forward, recompute
+        user_forward, user_recompute = call_context_fn(user_context_fn)
+        return _Nested(user_forward, forward), _Nested(user_recompute, recompute)
+
+    return make_contexts
+
+
+def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mutation=False):
+    """The ``(forward_ctx, recompute_ctx)`` pair of a selective checkpoint, for
+    ``context_fn`` of ``torch.utils.checkpoint.checkpoint`` (and so of
+    ``apply_activation_checkpointing`` and Hugging Face's gradient checkpointing), as
+    torch's function of the same name; with ours, ``MUST_SWAP`` offloads op outputs.
+
+    Use it as ``context_fn=functools.partial(create_selective_checkpoint_contexts, policy)``:
+    each region invocation needs a fresh pair.
+
+    Args:
+        policy_fn_or_list: a policy as :func:`checkpoint`'s ``policy_fn`` accepts (a callable
+            ``policy_fn(ctx, op, *args, **kwargs)`` receiving torch's ``OpOverload``, a list
+            of ops to save, or a dict op -> policy), not ``None``.
+        allow_cache_entry_mutation: as in torch: ``True`` hands back a cached output that was
+            modified in place after the region's forward instead of raising. (Outputs
+            modified later in the region's own forward are always recomputed, with the
+            in-place ops, in both modes; torch raises for them by default.)
+
+    Returns:
+        A tuple of two ``TorchDispatchMode`` s sharing one region state.
+
+    Raises:
+        ValueError, TypeError: as :func:`checkpoint` does for a bad ``policy_fn``, and
+            ``TypeError`` for a non-bool ``allow_cache_entry_mutation``.
+    """
+    if policy_fn_or_list is None:
+        raise TypeError("hyper_parallel: create_selective_checkpoint_contexts needs a policy "
+                        "function or a list of ops; got None.")
+    check_bool("allow_cache_entry_mutation", allow_cache_entry_mutation)
+    return region_context_fn(compile_policy(policy_fn_or_list), None,
+                             allow_cache_entry_mutation)()
+
+
+def check_bool(name: str, value) -> None:
+    """Raises TypeError unless ``value`` is a bool (``1`` and ``None`` are not)."""
+    if value is not True and value is not False:
+        raise TypeError(f"hyper_parallel: checkpoint option {name} must be True or False; got "
+                        f"{value!r} ({type(value).__name__}).")
 
 
 def _policy_from_entries(entries, default) -> SelectivePolicy:
@@ -378,8 +466,6 @@ def _policy_from_entries(entries, default) -> SelectivePolicy:
 
 def _op_names(item, what: str) -> str:
     """Table name of an op given in a list or dict (``ns.op`` or ``ns.op.overload``)."""
-    if isinstance(item, PolicyOp):
-        return item.name()
     if isinstance(item, OpOverload):
         return str(item)
     if isinstance(item, OpOverloadPacket):

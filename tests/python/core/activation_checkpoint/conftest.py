@@ -10,8 +10,9 @@ def caches(monkeypatch):
     made = []
     original = _selective._new_cache
 
-    def spy(table):
-        made.append(original(table))
+    def spy(*args):
+        """Every SacCache created by a selective region, in creation order (one per call)."""
+        made.append(original(*args))
         return made[-1]
 
     monkeypatch.setattr(_selective, "_new_cache", spy)

@@ -95,21 +95,6 @@ def train_and_compare(ref, model, steps=3, seed=0, batch=(4, D), after_forward=N
 
 
 @pytest.fixture
-def caches(monkeypatch):
-    """Every SacCache created by a selective region, in creation order (one per call)."""
-    made = []
-    original = _selective._new_cache
-
-    def spy(table):
-        cache = original(table)
-        made.append(cache)
-        return cache
-
-    monkeypatch.setattr(_selective, "_new_cache", spy)
-    return made
-
-
-@pytest.fixture
 def cpu_swap_backend():
     """Host tensors swappable through the worker-thread copy backend, with a small delay."""
     manager = SwapManager()

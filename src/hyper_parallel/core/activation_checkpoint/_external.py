@@ -1,0 +1,211 @@
+"""Tensors from outside a checkpoint region: recompute sees the values forward saw.
+
+A checkpoint region's recompute runs its function again in backward. Tensors the region
+creates are rebuilt by that run, but tensors it reads from outside (module buffers,
+parameters, tensors captured by a closure) are read again as they are *then*. Two faults
+follow in torch.utils.checkpoint (docs/design.md, "Recompute and state outside the
+region"):
+
+* state the region writes (BatchNorm's running statistics and ``num_batches_tracked``,
+  the amax history of delayed-scaling quantization) is written a second time by the
+  recompute, and the recompute reads the value forward left, not the one forward read;
+* a tensor written outside the region after its forward read it gives the recompute a
+  different value, so backward silently computes different gradients.
+
+:class:`ExternalTensors` is the per-invocation record that fixes the first and detects
+the second. The region's forward dispatch mode reports every op's inputs and outputs;
+a tensor input that no earlier op of the region produced is *external*: its version
+counter is noted at the first read (a weak reference, no copy). Right before an op of
+the forward writes an external tensor (or a view of one), a copy of its value is kept:
+copy on write, so only written state costs memory (BatchNorm: its running statistics).
+In recompute, every read of an external tensor that forward wrote is redirected to a
+private copy of that value (the recompute's writes go there and are dropped), and every
+read of another external tensor checks that its version is still the one forward saw;
+otherwise the recompute raises instead of computing from a different value.
+
+Thread-safety: none; one region invocation is used by one thread at a time (forward, then
+the autograd engine's recompute).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_Tensor = torch.Tensor
+_LOST = object()  # written in forward after another write changed it: value unknown
+
+
+class _Read:
+    __slots__ = ("ref", "version", "snapshot")
+
+    def __init__(self, tensor) -> None:
+        self.ref = weakref.ref(tensor)
+        self.version = tensor._version
+        self.snapshot = None  # the value forward read, kept before forward's first write
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, _Tensor)
+
+
+def iter_tensors(values):
+    """The tensors among ``values`` and one level of lists/tuples inside them (op
+    arguments: ``Tensor``, ``Tensor[]``, ``Tensor?[]``)."""
+    for v in values:
+        if isinstance(v, _Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            for u in v:
+                if isinstance(u, _Tensor):
+                    yield u
+                elif isinstance(u, (list, tuple)):  # c10d's Tensor[][]
+                    yield from (w for w in u if isinstance(w, _Tensor))
+
+
+class ExternalTensors:
+    """Reads and writes of tensors from outside one checkpoint region invocation.
+
+    Args:
+        describe: ``describe(tensor) -> str | None``, a name for a tensor in error
+            messages (e.g. ``"buffer 'bn.running_mean'"``), or ``None``.
+    """
+
+    __slots__ = ("_reads", "_produced", "_shadows", "_describe")
+
+    def __init__(self, describe=None) -> None:
+        self._reads: dict = {}
+        self._produced: set | None = set()
+        self._shadows: dict = {}
+        self._describe = describe
+
+    # ------------------------------------------------------------------ forward
+    def forward_inputs(self, args, kwargs, writes) -> None:
+        """Before an op of the forward runs: notes external inputs, and keeps the value of
+        each external tensor that argument positions ``writes`` are about to write."""
+        reads, produced = self._reads, self._produced
+        if produced is None:
+            return
+        for t in iter_tensors(args):
+            key = id(t)
+            if key not in reads and key not in produced:
+                reads[key] = _Read(t)
+        if kwargs:
+            for t in iter_tensors(kwargs.values()):
+                key = id(t)
+                if key not in reads and key not in produced:
+                    reads[key] = _Read(t)
+        if writes:
+            for i in writes:
+                target = kwargs.get("out") if i < 0 else (args[i] if i < len(args) else None)
+                if target is not None:
+                    for t in iter_tensors((target,)):
+                        self._before_write(t)
+
+    def _before_write(self, t) -> None:
+        rec = self._reads.get(id(t))
+        if rec is None or rec.ref() is not t:
+            base = t._base
+            if base is None:
+                return
+            rec = self._reads.get(id(base))
+            if rec is None or rec.ref() is not base:
+                return
+            t = base
+        if rec.snapshot is None:
+            rec.snapshot = t.detach().clone() if t._version == rec.version else _LOST
+
+    def forward_outputs(self, out) -> None:
+        """After an op of the forward ran: its outputs are the region's own tensors."""
+        produced = self._produced
+        if produced is None:
+            return
+        if isinstance(out, _Tensor):
+            produced.add(id(out))
+        elif isinstance(out, (list, tuple)):
+            for t in iter_tensors(out):
+                produced.add(id(t))
+
+    def end_forward(self) -> None:
+        self._produced = None  # the ids were only needed to tell external tensors apart
+
+    @property
+    def written(self) -> int:
+        """External tensors the forward wrote (a copy of each is kept)."""
+        return sum(1 for r in self._reads.values() if r.snapshot is not None)
+
+    # ------------------------------------------------------------------ recompute
+    def begin_recompute(self) -> None:
+        self._shadows = {}
+
+    def recompute_args(self, op_name: str, args, kwargs):
+        """The arguments the recompute's op must see: external tensors that forward wrote
+        become this pass's private copy of the value forward read.
+
+        Raises:
+            RuntimeError: when an external tensor was modified after forward read it.
+        """
+        if not self._reads:
+            return args, kwargs
+        new_args = None
+        for i, a in enumerate(args):
+            if isinstance(a, _Tensor):
+                b = self._resolve(a, op_name)
+            elif isinstance(a, (list, tuple)) and a and isinstance(a[0], _Tensor):
+                b = type(a)(self._resolve(u, op_name) if isinstance(u, _Tensor) else u
+                            for u in a)
+                if all(x is y for x, y in zip(a, b)):
+                    b = a
+            else:
+                continue
+            if b is not a:
+                if new_args is None:
+                    new_args = list(args)
+                new_args[i] = b
+        if kwargs:
+            new_kwargs = None
+            for k, v in kwargs.items():
+                if isinstance(v, _Tensor):
+                    w = self._resolve(v, op_name)
+                    if w is not v:
+                        new_kwargs = dict(kwargs) if new_kwargs is None else new_kwargs
+                        new_kwargs[k] = w
+            if new_kwargs is not None:
+                kwargs = new_kwargs
+        return (args if new_args is None else tuple(new_args)), kwargs
+
+    def _resolve(self, t, op_name: str):
+        rec = self._reads.get(id(t))
+        if rec is None or rec.ref() is not t:
+            return t
+        snap = rec.snapshot
+        if snap is None:
+            if t._version != rec.version:
+                raise RuntimeError(self._modified_message(t, op_name, rec.version))
+            return t
+        if snap is _LOST:
+            raise RuntimeError(
+                f"hyper_parallel: the recompute of a checkpoint region needs the value that "
+                f"{self._name(t)} had when the region's forward first read it, but the forward "
+                "modified it through another tensor before writing it, so that value was not "
+                "kept. Write it through one tensor (not a view and its base), or move the "
+                "write out of the checkpointed function.")
+        shadow = self._shadows.get(id(t))
+        if shadow is None:
+            shadow = self._shadows[id(t)] = snap.clone()
+        return shadow
+
+    def _name(self, t) -> str:
+        name = self._describe(t) if self._describe is not None else None
+        shape = list(t.shape)
+        return (f"{name} (shape {shape}, {t.dtype})" if name
+                else f"a tensor from outside the region (shape {shape}, {t.dtype})")
+
+    def _modified_message(self, t, op_name: str, version: int) -> str:
+        return (
+            f"hyper_parallel: the recompute of a checkpoint region reads {self._name(t)} "
+            f"(in {op_name}), which was modified in place after the region's forward read it "
+            f"(version {version} -> {t._version}). Backward would compute its gradients from "
+            "a different value than forward used. Modify it after backward (or before the "
+            "forward), or clone it and let the region read the clone.")
