@@ -1,12 +1,14 @@
 """Activation checkpoint and swap: the public API of hyper_parallel.
 
-Recompute (``checkpoint``, ``checkpoint_wrapper``, per-op ``CheckpointPolicy``), swap
+Recompute (``checkpoint``, ``checkpoint_sequential``, ``checkpoint_wrapper``, per-op
+``CheckpointPolicy``, ``create_selective_checkpoint_contexts`` for torch's checkpoint), swap
 (``swap``, ``swap_wrapper``, ``swap_tensor_wrapper``, ``SwapManager``) or both.
 """
 
-from ._checkpoint import CheckpointWrapper, checkpoint, checkpoint_wrapper
+from ._checkpoint import CheckpointWrapper, checkpoint, checkpoint_sequential, checkpoint_wrapper
 from ._memory import SavedActivationMeter, saved_activation_memory
 from ._policy import CheckpointPolicy
+from ._selective import SelectiveCheckpointContext, create_selective_checkpoint_contexts
 from ._swap import swap, swap_tensor_wrapper
 from ._swap_manager import SwapManager
 from ._wrappers import SwapWrapper, swap_wrapper
@@ -15,10 +17,13 @@ __all__ = [
     "CheckpointPolicy",
     "CheckpointWrapper",
     "SavedActivationMeter",
+    "SelectiveCheckpointContext",
     "SwapManager",
     "SwapWrapper",
     "checkpoint",
+    "checkpoint_sequential",
     "checkpoint_wrapper",
+    "create_selective_checkpoint_contexts",
     "saved_activation_memory",
     "swap",
     "swap_tensor_wrapper",

@@ -284,6 +284,56 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     return out
 
 
+def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwargs):
+    """Runs ``functions`` one after another, all but the last segment as checkpoint regions
+    (torch.utils.checkpoint.checkpoint_sequential's contract, on :func:`checkpoint`).
+
+    Args:
+        functions: an ``nn.Sequential`` or a list of modules / callables, run in order,
+            each on the previous one's output.
+        segments: how many segments to split them into (``len(functions) // segments``
+            functions each; the last segment takes the rest and runs without checkpoint,
+            as in torch, since its backward comes first).
+        input: the first function's input.
+        use_reentrant: ``None`` or ``False`` (as in :func:`checkpoint`).
+        **kwargs: :func:`checkpoint`'s options (``preserve_rng_state``, ``policy_fn``,
+            ``swap_inputs``, ...), applied to every segment.
+
+    Returns:
+        The last function's output.
+
+    Raises:
+        TypeError: for an option :func:`checkpoint` does not have, or a ``segments`` that
+            is not a positive int; ValueError/TypeError for bad option values (as
+            :func:`checkpoint`).
+    """
+    unknown = sorted(set(kwargs) - set(_CHECKPOINT_OPTIONS))
+    if unknown:
+        raise TypeError(f"hyper_parallel: checkpoint_sequential got unknown options {unknown}; "
+                        f"it accepts {list(_CHECKPOINT_OPTIONS)} (those of checkpoint()).")
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise TypeError(f"hyper_parallel: checkpoint_sequential segments must be a positive "
+                        f"int; got {segments!r}.")
+    options = _prepare_kwargs({**kwargs, "use_reentrant": use_reentrant})
+    if isinstance(functions, nn.Sequential):
+        functions = list(functions.children())
+    functions = list(functions)
+    size = len(functions) // segments
+
+    def run(part):
+        def forward(x):
+            for fn in part:
+                x = fn(x)
+            return x
+        return forward
+
+    end = 0
+    for start in range(0, size * (segments - 1), size):
+        end = start + size
+        input = checkpoint(run(functions[start:end]), input, **options)
+    return run(functions[end:])(input)
+
+
 class CheckpointWrapper(ActivationWrapper):
     """Every call of the wrapped module is a :func:`checkpoint` call (see
     :func:`checkpoint_wrapper`)."""

@@ -86,7 +86,25 @@ class _OpInfo:
 _OP_INFO: dict = {}
 
 
+def _unannotated_writes() -> dict:
+    """Ops whose schema does not say that they write some arguments, but which do: the
+    batch norms write the running statistics (arguments 3 and 4) in training mode."""
+    out = {}
+    for name, positions in (("native_batch_norm", (3, 4)), ("cudnn_batch_norm", (3, 4)),
+                            ("miopen_batch_norm", (3, 4)),
+                            ("batch_norm_update_stats", (1, 2))):
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None and "default" in packet.overloads():
+            out[packet.default] = positions
+    return out
+
+
+_UNANNOTATED_WRITES = _unannotated_writes()
+
+
 def _written_args(func) -> tuple:
+    if func in _UNANNOTATED_WRITES:
+        return _UNANNOTATED_WRITES[func]
     if is_collective(func):
         return (0,) if func.namespace == "c10d" and func._schema.name.endswith("_") else ()
     if not isinstance(func, OpOverload) or not func._schema.is_mutable:
@@ -99,7 +117,7 @@ def _written_args(func) -> tuple:
 
 
 def _cacheable(func) -> bool:
-    if func in _IGNORED_OPS or not isinstance(func, OpOverload):
+    if func in _IGNORED_OPS or func in _UNANNOTATED_WRITES or not isinstance(func, OpOverload):
         return False
     if func.namespace in FUNCTIONAL_NAMESPACES:
         return False  # wait_tensor: it only waits (the collectives are kept, see below)

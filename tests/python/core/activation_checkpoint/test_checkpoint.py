@@ -16,7 +16,6 @@ from hyper_parallel.core.activation_checkpoint import (
     checkpoint_wrapper,
     saved_activation_memory,
 )
-from hyper_parallel.core.activation_checkpoint import _selective
 
 D = 16
 MATMULS = [torch.ops.aten.addmm, torch.ops.aten.mm]
