@@ -35,15 +35,17 @@ import torch
 
 _Tensor = torch.Tensor
 _LOST = object()  # written in forward after another write changed it: value unknown
+_UNDECLARED = object()  # written in forward by an op whose schema does not say so
 
 
 class _Read:
-    __slots__ = ("ref", "version", "snapshot")
+    __slots__ = ("ref", "version", "snapshot", "op")
 
-    def __init__(self, tensor) -> None:
+    def __init__(self, tensor, op: str) -> None:
         self.ref = weakref.ref(tensor)
         self.version = tensor._version
         self.snapshot = None  # the value forward read, kept before forward's first write
+        self.op = op  # the op that read it first
 
 
 def _is_tensor(x) -> bool:
@@ -81,7 +83,7 @@ class ExternalTensors:
         self._describe = describe
 
     # ------------------------------------------------------------------ forward
-    def forward_inputs(self, args, kwargs, writes) -> None:
+    def forward_inputs(self, op: str, args, kwargs, writes) -> None:
         """Before an op of the forward runs: notes external inputs, and keeps the value of
         each external tensor that argument positions ``writes`` are about to write."""
         reads, produced = self._reads, self._produced
@@ -90,12 +92,12 @@ class ExternalTensors:
         for t in iter_tensors(args):
             key = id(t)
             if key not in reads and key not in produced:
-                reads[key] = _Read(t)
+                reads[key] = _Read(t, op)
         if kwargs:
             for t in iter_tensors(kwargs.values()):
                 key = id(t)
                 if key not in reads and key not in produced:
-                    reads[key] = _Read(t)
+                    reads[key] = _Read(t, op)
         if writes:
             for i in writes:
                 target = kwargs.get("out") if i < 0 else (args[i] if i < len(args) else None)
@@ -128,7 +130,15 @@ class ExternalTensors:
                 produced.add(id(t))
 
     def end_forward(self) -> None:
+        """The forward is over. An external tensor whose version moved although no op of
+        the forward declared a write to it was written by an op that does not say so in
+        its schema (a custom kernel): the value forward read is unknown."""
         self._produced = None  # the ids were only needed to tell external tensors apart
+        for rec in self._reads.values():
+            if rec.snapshot is None:
+                t = rec.ref()
+                if t is not None and t._version != rec.version:
+                    rec.snapshot = _UNDECLARED
 
     @property
     def written(self) -> int:
@@ -137,7 +147,32 @@ class ExternalTensors:
 
     # ------------------------------------------------------------------ recompute
     def begin_recompute(self) -> None:
+        """Starts a recompute pass. Every external tensor forward read and did not write
+        must still hold the value forward read (checked here, not only when the recompute
+        reads it: torch's frame stops recomputing as soon as the saved tensors are rebuilt,
+        before the op that saves one runs).
+
+        Raises:
+            RuntimeError: naming the first such tensor that was modified since.
+        """
         self._shadows = {}
+        for rec in self._reads.values():
+            snap = rec.snapshot
+            if snap is None:
+                t = rec.ref()
+                if t is not None and t._version != rec.version:
+                    raise RuntimeError(self._modified_message(t, rec.op, rec.version))
+            elif snap is _UNDECLARED:
+                t = rec.ref()
+                if t is not None:
+                    raise RuntimeError(
+                        f"hyper_parallel: the recompute of a checkpoint region needs the value "
+                        f"that {self._name(t)} had when {rec.op} read it in the region's "
+                        "forward, but an op of that forward modified it without declaring the "
+                        "write in its schema (e.g. a custom kernel), so the value was not kept "
+                        f"(version {rec.version} -> {t._version}). Declare the write in the "
+                        "op's schema (Tensor(a!)), or move that update out of the "
+                        "checkpointed function.")
 
     def recompute_args(self, op_name: str, args, kwargs):
         """The arguments the recompute's op must see: external tensors that forward wrote
@@ -184,7 +219,7 @@ class ExternalTensors:
             if t._version != rec.version:
                 raise RuntimeError(self._modified_message(t, op_name, rec.version))
             return t
-        if snap is _LOST:
+        if snap is _LOST or snap is _UNDECLARED:
             raise RuntimeError(
                 f"hyper_parallel: the recompute of a checkpoint region needs the value that "
                 f"{self._name(t)} had when the region's forward first read it, but the forward "

@@ -259,7 +259,7 @@ class _CachingMode(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         st = self._state
-        st.external.forward_inputs(args, kwargs, info.writes)
+        st.external.forward_inputs(info.name, args, kwargs, info.writes)
         out = func(*args, **kwargs)
         st.external.forward_outputs(out)
         kind = info.kind

@@ -1,0 +1,177 @@
+"""Where torch.utils.checkpoint recomputes from changed state, ours does not (issue 13).
+
+Each case fails with torch 2.13's checkpoint: autocast's weight-cast cache across sibling
+selective regions, BatchNorm statistics updated again by recompute, a scale buffer read
+after forward updated it. Every run is compared bitwise with the same code without
+checkpoint, for full recompute, a selective policy and MUST_SWAP in the same region.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from hyper_parallel.core.activation_checkpoint import CheckpointPolicy, checkpoint
+
+aten = torch.ops.aten
+P = CheckpointPolicy
+
+MODES = {
+    "full": {},
+    "selective": {"policy_fn": [aten.mm, aten.addmm]},
+    "must_swap": {"policy_fn": {aten.mm: P.MUST_SWAP, aten.addmm: P.MUST_SWAP}},
+    "save_all": {"policy_fn": lambda ctx, op, *a, **k: P.PREFER_SAVE},
+}
+
+pytestmark = pytest.mark.filterwarnings("ignore:hyper_parallel. swap region:UserWarning")
+
+
+@pytest.fixture(params=list(MODES))
+def ckpt(request, cpu_swap):
+    options = MODES[request.param]
+    return lambda fn, *args: checkpoint(fn, *args, **options)
+
+
+def _plain(fn, *args):
+    return fn(*args)
+
+
+# ------------------------------------------------------------------ 1. autocast weight cache
+
+def _sibling_regions_under_autocast(call):
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def f(t):
+        return nn.functional.linear(t, w).relu()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = call(f, x)  # casts w (autocast caches the cast) ...
+        y = call(f, h)  # ... and this region's forward reuses it: no cast op runs
+    y.float().sum().backward()
+    return w.grad, x.grad
+
+
+def test_autocast_weight_cast_shared_by_sibling_selective_regions(ckpt):
+    got = _sibling_regions_under_autocast(ckpt)
+    ref = _sibling_regions_under_autocast(_plain)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+# ------------------------------------------------------------------ 2. module state in forward
+
+def _batchnorm_steps(call, steps=5, through_lambda=False):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+    fn = (lambda t: model(t)) if through_lambda else model
+    for _ in range(steps):
+        x = torch.randn(16, 8, requires_grad=True)
+        call(fn, x).square().sum().backward()
+    bn = model[1]
+    return [bn.num_batches_tracked, bn.running_mean, bn.running_var,
+            *(p.grad for p in model.parameters())]
+
+
+@pytest.mark.parametrize("through_lambda", [False, True], ids=["module", "lambda"])
+def test_batchnorm_statistics_are_updated_once_per_step(ckpt, through_lambda):
+    got = _batchnorm_steps(ckpt, through_lambda=through_lambda)
+    ref = _batchnorm_steps(_plain, through_lambda=through_lambda)
+    assert got[0].item() == ref[0].item() == 5
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_two_forwards_before_their_backwards_see_their_own_statistics(cpu_swap):
+    # Microbatches: forward, forward, backward, backward. Each recompute sees the running
+    # statistics its own forward read (BatchNorm with momentum=None reads the counter).
+    def run(call):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None))
+        xs = [torch.randn(16, 8) for _ in range(2)]
+        outs = [call(model, x) for x in xs]
+        for out in reversed(outs):
+            out.square().sum().backward()
+        return [model[1].running_mean, model[1].num_batches_tracked,
+                *(p.grad for p in model.parameters())]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(checkpoint), run(_plain)))
+
+
+# ------------------------------------------------------------------ 3. state read by recompute
+
+def _delayed_scaling_steps(call, steps=3):
+    torch.manual_seed(0)
+    hist = torch.ones(1)
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def f(x):
+        s = hist.max() / 127
+        xq = x + (torch.round(x / s) * s - x).detach()
+        y = (xq @ w).relu()
+        hist.copy_(x.detach().abs().max().reshape(1))  # after reading it: next step's scale
+        return y
+
+    grads = []
+    for _ in range(steps):
+        x = torch.randn(2, 4, requires_grad=True)
+        call(f, x).sum().backward()
+        grads += [w.grad.clone(), x.grad]
+        w.grad = None
+    return grads + [hist]
+
+
+def test_recompute_reads_state_as_the_forward_read_it(ckpt):
+    got, ref = _delayed_scaling_steps(ckpt), _delayed_scaling_steps(_plain)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        return self.lin(x).tanh() * self.scale
+
+
+@pytest.mark.parametrize("where", ["module_buffer", "closure"])
+def test_state_written_after_the_forward_read_it_is_a_clear_error(ckpt, where):
+    module = _Scaled()
+    scale = torch.ones(4)
+    fn = module if where == "module_buffer" else (lambda t: (t * scale).sin())
+    x = torch.randn(2, 4, requires_grad=True)
+    y = ckpt(fn, x)
+    with torch.no_grad():
+        (module.scale if where == "module_buffer" else scale).mul_(3)
+    name = "buffer 'scale' of _Scaled" if where == "module_buffer" else \
+        "a tensor from outside the region"
+    with pytest.raises(RuntimeError, match=rf"hyper_parallel: the recompute of a checkpoint "
+                       rf"region reads {name} \(shape \[4\], torch.float32\) \(in aten.mul."
+                       r"Tensor\), which was modified in place after the region's forward "
+                       r"read it \(version 0 -> 1\)"):
+        y.sum().backward()
+
+
+# ------------------------------------------------------------------ 5. forward-only loops
+
+def test_forward_only_loop_frees_each_output_when_dropped(ckpt):
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+    x = torch.randn(16, 8, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        outs, storages = [], []
+        for _ in range(4):  # evaluation with grad on: no backward
+            y = ckpt(model, x)
+            outs.append(weakref.ref(y))
+            storages.append(StorageWeakRef(y.untyped_storage()))
+            del y
+            assert outs[-1]() is None and storages[-1].expired()
+    finally:
+        gc.enable()
