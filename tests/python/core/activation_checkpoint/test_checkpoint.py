@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from hyper_parallel.core.activation_checkpoint import _selective
 from hyper_parallel.core.activation_checkpoint import (
     CheckpointPolicy,
     SwapManager,
