@@ -15,6 +15,7 @@ parts:
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -24,7 +25,7 @@ from hyper_parallel._extension import _C
 
 from . import _compile
 from ._region import REGISTERED_ONLY, SWAP_ALL, Region
-from ._selective import check_bool, compile_policy, region_context_fn
+from ._selective import check_bool, checked_context_fn, compile_policy, region_context_fn
 from ._swap import LayerCall, in_backward, resolve_layer
 from ._swap_manager import SwapManager
 from ._wrappers import ActivationWrapper, _refuse_double_wrap
@@ -113,6 +114,31 @@ def _describer(function):
         return None
 
     return describe
+
+
+# Full-recompute regions whose forward needed no region modes (docs/design.md, "Region
+# modes on full checkpoint"): target -> the module's training flag at that call (None for
+# a plain callable); _NEEDS_MODES once a forward wrote outside state or ran a collective.
+_PLAIN_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NEEDS_MODES = object()
+
+
+def _mode_key(function):
+    """The object a full-recompute region's probe result is kept for, or None."""
+    target = function.fn if isinstance(function, LayerCall) else function
+    try:
+        weakref.ref(target)
+    except TypeError:
+        return None
+    return target
+
+
+def _training(target):
+    return target.training if isinstance(target, nn.Module) else None
+
+
+def _learn(key, training, needed: bool) -> None:
+    _PLAIN_TARGETS[key] = _NEEDS_MODES if needed else training
 
 
 def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=None,
@@ -254,11 +280,20 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     if not torch.is_grad_enabled():
         # Inference: nothing is saved for backward (torch's frame does the same).
         return function(*args, **kwargs)
-    if not (debug or _debug_forced()):
-        # torch's debug mode brings its own context_fn: a debug region runs without ours.
+    key = _mode_key(function) if policy is None else None
+    training = _training(key) if key is not None else None
+    if debug or _debug_forced():
+        pass  # torch's debug mode brings its own context_fn: a debug region runs without ours
+    elif key is not None and _PLAIN_TARGETS.get(key, _NEEDS_MODES) is training:
+        # A full-recompute region whose forward wrote no outside state and ran no
+        # collective when it was probed (in this training mode): torch's frame alone.
+        if context_fn is not None:
+            ckpt_kwargs["context_fn"] = checked_context_fn(context_fn)
+    else:
+        report = functools.partial(_learn, key, training) if key is not None else None
         ckpt_kwargs["context_fn"] = region_context_fn(policy, context_fn,
                                                       allow_cache_entry_mutation,
-                                                      _describer(function))
+                                                      _describer(function), report)
     call, call_args = _with_bound_kwargs(function, args, kwargs)
     if in_backward():
         # A region nested in an enclosing region that backward is recomputing: it must be

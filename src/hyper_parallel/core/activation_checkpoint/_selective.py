@@ -205,7 +205,8 @@ class _RegionState:
     a per-op policy (``None`` for full recompute), the record of tensors from outside the
     region, and the kept collective results."""
 
-    __slots__ = ("cache", "policy_fn", "table", "external", "collectives", "may_swap", "region")
+    __slots__ = ("cache", "policy_fn", "table", "external", "collectives", "may_swap", "region",
+                 "report")
 
     def __init__(self, policy, allow_cache_entry_mutation: bool, describe) -> None:
         if policy is None:
@@ -218,6 +219,7 @@ class _RegionState:
         self.external = ExternalTensors(describe)
         self.collectives = Collectives(_observe_kept)
         self.region = None
+        self.report = None
 
     def keep_collective(self, info: _OpInfo, func, args, kwargs, out) -> bool:
         """Collectives are kept unless the policy says MUST_RECOMPUTE."""
@@ -282,6 +284,8 @@ class _CachingMode(TorchDispatchMode):
         result = super().__exit__(exc_type, exc, tb)
         st = self._state
         st.external.end_forward()
+        if exc_type is None and st.report is not None:
+            st.report(st.external.written > 0 or bool(st.collectives))
         if exc_type is None and st.cache is not None:
             # Outputs written in place later in this forward are replayed instead.
             for name, call, policy in st.cache.end_forward():
@@ -417,15 +421,18 @@ class SelectivePolicy:
 
 
 def region_context_fn(policy: SelectivePolicy | None = None, user_context_fn=None,
-                      allow_cache_entry_mutation: bool = False, describe=None):
+                      allow_cache_entry_mutation: bool = False, describe=None, report=None):
     """A ``context_fn`` for torch's checkpoint frame: a fresh region state per invocation
     (the policy's cache, external tensors, kept collectives; see :class:`_RegionState`),
     composed with the user's ``(forward_ctx, recompute_ctx)`` (theirs outside ours).
 
-    ``describe(tensor) -> str | None`` names a tensor in error messages."""
+    ``describe(tensor) -> str | None`` names a tensor in error messages; ``report(needed)``
+    is called after each completed forward, ``needed`` telling whether the region wrote a
+    tensor from outside it or ran a collective."""
 
     def make_contexts():
         state = _RegionState(policy, allow_cache_entry_mutation, describe)
+        state.report = report
         forward, recompute = _CachingMode(state), _CachedMode(state)
         if user_context_fn is None:
             return forward, recompute

@@ -175,3 +175,34 @@ def test_forward_only_loop_frees_each_output_when_dropped(ckpt):
             assert outs[-1]() is None and storages[-1].expired()
     finally:
         gc.enable()
+
+
+# ------------------------------------------------------------------ full checkpoint fast path
+
+def test_full_checkpoint_probes_a_target_then_runs_torchs_frame_alone(monkeypatch):
+    from hyper_parallel.core.activation_checkpoint import _checkpoint
+
+    probes = []
+    original = _checkpoint.region_context_fn
+
+    def spy(*args, **kwargs):
+        probes.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_checkpoint, "region_context_fn", spy)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    stateful = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    x = torch.randn(4, 8, requires_grad=True)
+    for _ in range(3):
+        checkpoint(plain, x).sum().backward()
+    assert len(probes) == 1  # no outside state written, no collective: probed once
+    for _ in range(3):
+        checkpoint(stateful, x).sum().backward()
+    assert len(probes) == 4  # writes its running statistics: the modes on every call
+    plain.eval()
+    checkpoint(plain, x).sum().backward()
+    checkpoint(plain, x).sum().backward()
+    assert len(probes) == 5  # another training mode is probed again, once
+    for _ in range(2):
+        checkpoint(plain, x, policy_fn=[aten.addmm]).sum().backward()
+    assert len(probes) == 7  # a per-op policy always runs the modes
