@@ -206,3 +206,17 @@ def test_full_checkpoint_probes_a_target_then_runs_torchs_frame_alone(monkeypatc
     for _ in range(2):
         checkpoint(plain, x, policy_fn=[aten.addmm]).sum().backward()
     assert len(probes) == 7  # a per-op policy always runs the modes
+
+
+def test_must_swap_mode_offloads_in_each_case(cpu_swap):
+    # The "must_swap" runs above are swap runs: each case moves bytes to the host and back.
+    from hyper_parallel.core.activation_checkpoint import SwapManager
+
+    swap = lambda fn, *args: checkpoint(fn, *args, **MODES["must_swap"])  # noqa: E731
+    for case in (_sibling_regions_under_autocast, _batchnorm_steps, _delayed_scaling_steps):
+        before = SwapManager().stats()
+        case(swap)
+        after = SwapManager().stats()
+        assert after["offload_bytes"] > before["offload_bytes"], case.__name__
+        assert after["reload_bytes"] == after["offload_bytes"] - before["offload_bytes"] \
+            + before["reload_bytes"], case.__name__
