@@ -183,8 +183,8 @@ def canonical_policy(policy):
     if policy.table is None:
         key = ("fn", policy.fn)
     else:
-        key = ("table", tuple((name, int(p)) for name, p in policy.table.entries()),
-               int(policy.table.default))
+        key = ("table", tuple((name, p.value) for name, p in policy.table.entries()),
+               policy.table.default.value)
     try:
         return _canonical.setdefault(key, policy)
     except TypeError:  # an unhashable callable
