@@ -260,6 +260,8 @@ void bind_swap(py::module_& m) {
       .def_property_readonly("id", &SwapGroup::id)
       .def_property_readonly("layer", &SwapGroup::layer)
       .def_property("name", &SwapGroup::name, &SwapGroup::set_name)
+      .def_property_readonly("released", [](const SwapGroup& g) { return g.released; },
+                             "Whether end_forward let this invocation leave the device.")
       .def_property_readonly("num_records", [](const SwapGroup& g) { return g.records().size(); })
       .def_property_readonly("record_bytes", [](const SwapGroup& g) {
         size_t n = 0;
@@ -363,6 +365,9 @@ void bind_swap(py::module_& m) {
   m.def("abort_forward", [](const std::shared_ptr<SwapGroup>& g) { engine().abort_forward(g); });
   m.def("backward_begin", [](const std::shared_ptr<SwapGroup>& g) { engine().backward_begin(g); },
         py::call_guard<py::gil_scoped_release>());
+  m.def("prefetch_targets", [](const std::shared_ptr<SwapGroup>& g) {
+    return engine().prefetch_targets(g);
+  }, "The invocations backward_begin(group) reloads: group, then its predecessors.");
   m.def("current_group", [] { return engine().current_group(); });
   m.def("name_group", [](const std::shared_ptr<SwapGroup>& g) { engine().name_group(g); });
   m.def("set_group_swap", [](const std::shared_ptr<SwapGroup>& g, bool on) { g->set_group_swap(on); });

@@ -285,6 +285,12 @@ void SwapEngine::backward_begin(const std::shared_ptr<SwapGroup>& group) {
   }
 }
 
+std::vector<std::shared_ptr<SwapGroup>> SwapEngine::prefetch_targets(
+    const std::shared_ptr<SwapGroup>& group) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return schedule_.prefetch_targets(group, options_.prefetch_depth);
+}
+
 std::shared_ptr<SwapGroup> SwapEngine::current_group() const {
   // Entries of an older generation (reset()) or of an abandoned region are dropped here.
   while (!t_current.empty() && t_current.back().engine == this && stale(t_current.back())) {

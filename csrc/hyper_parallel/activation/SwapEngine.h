@@ -108,6 +108,11 @@ class SwapEngine {
   // its thread's stack entry is pruned, and unlinks it if its forward had not finished.
   void abandon_forward(const std::shared_ptr<SwapGroup>& group);
   void backward_begin(const std::shared_ptr<SwapGroup>& group);
+  // The invocations whose reload backward_begin(group) starts: `group` itself, then up to
+  // prefetch_depth predecessors, nearest first (SPEC 3). For backends that keep their
+  // tensors outside the engine and move them themselves (docs/design.md, "Backends").
+  std::vector<std::shared_ptr<SwapGroup>> prefetch_targets(
+      const std::shared_ptr<SwapGroup>& group) const;
   // Current group of this thread, or null.
   std::shared_ptr<SwapGroup> current_group() const;
   std::shared_ptr<SwapGroup> find_group(const std::string& name) const;

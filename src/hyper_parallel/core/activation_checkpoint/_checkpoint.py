@@ -24,6 +24,7 @@ from torch import nn
 from hyper_parallel._extension import _C
 
 from . import _compile
+from ._backends import backend_for, wrapper_dispatch
 from ._region import REGISTERED_ONLY, SWAP_ALL, Region
 from ._selective import check_bool, checked_context_fn, compile_policy, region_context_fn
 from ._swap import LayerCall, in_backward, resolve_layer
@@ -267,6 +268,13 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         return _compile.checkpoint(
             function, args, kwargs, policy_fn, context_fn, swap_inputs, group_swap,
             preserve_rng_state, determinism_check)
+    backend = backend_for(function, args=args, kwargs=kwargs)
+    if backend is not None:  # a MindSpore Cell or tensors (docs/design.md, "Backends")
+        return backend.checkpoint(function, *args, policy_fn=policy_fn, swap_inputs=swap_inputs,
+                                  context_fn=context_fn, group_swap=group_swap,
+                                  use_reentrant=use_reentrant,
+                                  preserve_rng_state=preserve_rng_state,
+                                  determinism_check=determinism_check, debug=debug, **kwargs)
     SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP on first use
     policy = compile_policy(policy_fn)
     if context_fn is not None and not callable(context_fn):
@@ -443,6 +451,10 @@ def checkpoint_wrapper(module_or_fn, **checkpoint_kwargs):
             value (as in :func:`checkpoint`).
         TypeError: when it is neither a module nor callable, or for an unknown option.
     """
+    other = wrapper_dispatch(module_or_fn, "checkpoint_wrapper", checkpoint_kwargs,
+                             checkpoint_wrapper)
+    if other is not None:  # a MindSpore Cell, or a function (docs/design.md, "Backends")
+        return other
     kwargs = _prepare_kwargs(checkpoint_kwargs)
     if isinstance(module_or_fn, nn.Module):
         return CheckpointWrapper(module_or_fn, **kwargs)

@@ -10,6 +10,8 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from hyper_parallel._extension import _C
 
+from ._backends import backend_named
+
 
 class SavedActivationMeter:
     """Result of :func:`saved_activation_memory`.
@@ -79,8 +81,14 @@ def sample_active_meter() -> None:
 
 
 @contextlib.contextmanager
-def saved_activation_memory() -> Iterator[SavedActivationMeter]:
+def saved_activation_memory(framework: str = "torch",
+                            parameters=None) -> Iterator[SavedActivationMeter]:
     """Measures the peak bytes held by saved activations, on any device.
+
+    ``framework="mindspore"`` measures MindSpore code instead (a meter with the same
+    ``peak_bytes`` / ``observed_storages`` / ``sample()``; docs/design.md, "Backends").
+    MindSpore hands parameters to saved-tensor hooks as plain tensors, so pass
+    ``parameters=model.get_parameters()`` there to leave them out, as torch's meter does.
 
     Every tensor autograd saves inside the block is observed once per storage, whether it
     is saved directly, inside a swap region (then an offloaded storage counts 0 bytes
@@ -101,6 +109,13 @@ def saved_activation_memory() -> Iterator[SavedActivationMeter]:
         RuntimeError: when another meter is already active.
     """
     global _active
+    if framework != "torch":
+        with backend_named(framework).saved_activation_memory(parameters) as other:
+            yield other
+        return
+    if parameters is not None:
+        raise ValueError("hyper_parallel: saved_activation_memory(parameters=...) is for "
+                         "MindSpore; torch's meter never counts parameters.")
     meter = SavedActivationMeter()
     meter._meter.activate()
     _active = meter

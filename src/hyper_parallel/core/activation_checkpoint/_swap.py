@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_flatten
 from hyper_parallel._extension import _C
 
 from . import _compile
+from ._backends import backend_for
 from ._region import SWAP_ALL, Region, in_backward, in_checkpoint_forward
 from ._swap_manager import SwapManager, layer_node
 
@@ -87,6 +88,10 @@ def swap(function, *args, policy_fn=None, group_swap=False, **kwargs):
     Raises:
         ValueError: when ``policy_fn`` returns anything but MUST_SAVE / MUST_SWAP.
     """
+    backend = backend_for(function, args=args, kwargs=kwargs)
+    if backend is not None:  # a MindSpore Cell or tensors (docs/design.md, "Backends")
+        return backend.swap(function, *args, policy_fn=policy_fn, group_swap=group_swap,
+                            **kwargs)
     region = swap_region(function, policy_fn, group_swap)
     if region is None:
         return function(*args, **kwargs)
@@ -134,6 +139,9 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False):
     if _compile.is_compiling():
         _compile.warn_registration_not_compiled()
         return target
+    backend = backend_for(target, args=(target,))
+    if backend is not None:  # MindSpore tensors (docs/design.md, "Backends")
+        return backend.swap_tensor_wrapper(target, tag=tag, group_swap=group_swap)
     SwapManager()
     if in_backward() or not torch.is_grad_enabled() or in_checkpoint_forward():
         # Recompute, inference, or inside a checkpoint's forward (the tensor is recomputed

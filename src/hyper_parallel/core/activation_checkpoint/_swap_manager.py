@@ -14,6 +14,7 @@ import torch
 
 from hyper_parallel._extension import _C
 
+from ._backends import backend_for, loaded_backends
 from ._region import REGISTERED_ONLY, Region, in_backward
 
 _LAYER_ATTR = "_hyper_parallel_layer"
@@ -242,7 +243,9 @@ class SwapManager:
                 raise TypeError(
                     "hyper_parallel: set_forward_prefetch_layer expects nn.Module layers (as "
                     f"in model.layers[i], model.layers[i + 1]) or functions, got {obj!r}")
-        wrapped = (isinstance(first, torch.nn.Module) and first.__dict__.get("_modules", {})
+        backend = backend_for(first, second)  # MindSpore Cells (docs/design.md, "Backends")
+        wrapped = backend.wraps_each_other(first, second) if backend is not None else (
+                   isinstance(first, torch.nn.Module) and first.__dict__.get("_modules", {})
                    .get("_checkpoint_wrapped_module") is second) or (
                    isinstance(second, torch.nn.Module) and second.__dict__.get("_modules", {})
                    .get("_checkpoint_wrapped_module") is first)
@@ -259,12 +262,20 @@ class SwapManager:
                               "one predecessor and one successor in the chain)", stacklevel=2)
         _C.link_layers(a.layer_id, b.layer_id)
         a.next, b.prev = b, a
+        install = backend.install_layer_hooks if backend is not None else \
+            self._install_module_hooks
         for obj, node in ((first, a), (second, b)):
-            self._install_module_hooks(obj, node)
+            install(obj, node)
 
     def unregister(self, model) -> None:
         """Removes ``model`` and all its submodules (or one function) from the schedule."""
-        objs = list(model.modules()) if isinstance(model, torch.nn.Module) else [model]
+        backend = backend_for(model)
+        if backend is not None:  # a MindSpore Cell: its sub-Cells and their hooks
+            objs = backend.cells_of(model)
+            for obj in objs:
+                backend.remove_layer_hooks(obj)
+        else:
+            objs = list(model.modules()) if isinstance(model, torch.nn.Module) else [model]
         for obj in objs:
             node = (obj.__dict__.pop(_LAYER_ATTR, None) if isinstance(obj, torch.nn.Module)
                     else getattr(obj, _LAYER_ATTR, None))
@@ -387,8 +398,13 @@ class SwapManager:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
-        """Counters of SPEC 6 (bytes, counts, seconds)."""
-        return dict(_C.stats())
+        """Counters of SPEC 6 (bytes, counts, seconds), summed over the torch engine and
+        every framework backend in use (docs/design.md, "Backends")."""
+        out = dict(_C.stats())
+        for backend in loaded_backends():
+            for key, value in backend.stats().items():
+                out[key] = out.get(key, 0) + value
+        return out
 
     def reset(self) -> None:
         """Clears the counters and all schedule state: layer links included, so register
@@ -398,12 +414,16 @@ class SwapManager:
         _C.pop_stale_hooks()  # and their saved-tensor hooks on this thread
         for stacks in list(_all_stacks):
             stacks.clear()
+        for backend in loaded_backends():
+            backend.reset(schedule=True)
         for node in list(_nodes):
             node.prev = node.next = None
 
     def reset_stats(self) -> None:
         """Clears the counters of :meth:`stats` and keeps the schedule."""
         _C.reset(False)
+        for backend in loaded_backends():
+            backend.reset(schedule=False)
 
     def synchronize(self) -> None:
         """Waits for every queued copy of the CPU backend (tests)."""

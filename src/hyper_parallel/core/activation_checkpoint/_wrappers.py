@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from . import _compile
+from ._backends import wrapper_dispatch
 from ._swap import LayerCall, in_backward, swap
 
 _PREFIX = "_checkpoint_wrapped_module"
@@ -165,6 +166,10 @@ def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False):
         ValueError: when ``module_or_fn`` is already wrapped by hyper_parallel.
         TypeError: when it is neither a module nor callable.
     """
+    other = wrapper_dispatch(module_or_fn, "swap_wrapper",
+                             dict(policy_fn=policy_fn, group_swap=group_swap), swap_wrapper)
+    if other is not None:  # a MindSpore Cell, or a function (docs/design.md, "Backends")
+        return other
     if isinstance(module_or_fn, nn.Module):
         return SwapWrapper(module_or_fn, policy_fn=policy_fn, group_swap=group_swap)
     if not callable(module_or_fn):
