@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 MS_VERSION=${HP_MINDSPORE_VERSION:-2.10.0}
 VENV=${HP_MINDSPORE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/hyper_parallel/venv-mindspore}
-TORCH_VERSION=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")
+TORCH_VERSION=$("$PY" -c "from importlib.metadata import version; print(version('torch').split('+')[0])")
 PYTEST_PIN=$(grep -E '^pytest==' requirements.txt)
 WANT="mindspore==$MS_VERSION numpy<2 torch==$TORCH_VERSION $PYTEST_PIN python=$("$PY" -c 'import sys; print(sys.version.split()[0])')"
 STAMP="$VENV/.hyper_parallel-stamp"

@@ -7,6 +7,8 @@ counters, and kernels that MUST_SAVE keeps with a counting MsDispatchMode.
 """
 
 import contextlib
+import subprocess
+import sys
 import warnings
 
 import mindspore as ms
@@ -265,3 +267,15 @@ def test_graph_mode_maps_checkpoint_wrapper_to_cell_recompute():
         checkpoint_wrapper(Block(), policy_fn=["MatMul"])
     with pytest.raises(RuntimeError, match="PyNative"):
         checkpoint(Block(), Tensor(np.ones((1, HIDDEN), np.float32)))
+
+
+def test_package_and_torch_calls_never_import_mindspore():
+    # In this environment MindSpore is importable, so an accidental import would happen.
+    code = (
+        "import sys, torch\n"
+        "from hyper_parallel.core.activation_checkpoint import checkpoint, swap_wrapper\n"
+        "lin = torch.nn.Linear(4, 4)\n"
+        "checkpoint(lin, torch.randn(2, 4, requires_grad=True)).sum().backward()\n"
+        "swap_wrapper(lambda x: x * 2)(torch.ones(2, requires_grad=True))\n"
+        "assert 'mindspore' not in sys.modules, 'mindspore was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
