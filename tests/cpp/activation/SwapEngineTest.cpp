@@ -502,6 +502,28 @@ TEST(SwapEngineTest, OnDemandReloadsAreCounted) {
   EXPECT_FALSE(engine.layer_scheduled(layers[0]));
 }
 
+TEST(SwapEngineTest, PrefetchTargetsAreTheInvocationThenItsPredecessors) {
+  // What a backend that moves its own data (MindSpore) reloads when a layer's backward
+  // begins: the invocation itself, then prefetch_depth predecessors, nearest first.
+  SwapEngine engine(cpu_options());
+  auto layers = make_chain(engine, 3);
+  std::vector<std::shared_ptr<SwapGroup>> groups;
+  for (auto layer : layers) {
+    groups.push_back(begin(engine, layer));
+    engine.end_forward(groups.back());
+  }
+  EXPECT_TRUE(groups[0]->released);
+  EXPECT_FALSE(groups[2]->released);  // the last layer of the chain stays on device
+  auto targets = engine.prefetch_targets(groups[2]);
+  ASSERT_EQ(targets.size(), 2u);
+  EXPECT_EQ(targets[0], groups[2]);
+  EXPECT_EQ(targets[1], groups[1]);
+  engine.set_prefetch_depth(2);
+  EXPECT_EQ(engine.prefetch_targets(groups[2]).size(), 3u);
+  engine.set_prefetch_depth(0);
+  EXPECT_EQ(engine.prefetch_targets(groups[1]).size(), 1u);
+}
+
 TEST(SwapEngineTest, PrefetchSkipsStoragesThatDiedWhileOffloaded) {
   // Regression: a saved tensor whose handle dies while its storage is offloaded (a
   // discarded output's graph) leaves a record without a storage in its group; a
