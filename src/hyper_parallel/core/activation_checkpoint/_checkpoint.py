@@ -173,6 +173,9 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
 
     Args:
         function: an ``nn.Module`` or callable.
+            A ``mindspore.nn.Cell``, or a function called with MindSpore tensors,
+            runs on the MindSpore backend (PyNative mode; op names in policies are
+            MindSpore's, e.g. ``"MatMul"``; docs/design.md, "Backends").
         *args, **kwargs: passed to ``function``; tensors may be given either way.
         policy_fn: what to do with each ATen op's output inside the region:
 
@@ -435,7 +438,9 @@ def checkpoint_wrapper(module_or_fn, **checkpoint_kwargs):
         module_or_fn: an ``nn.Module`` (returns a transparent wrapper module: its
             ``state_dict()`` keys, ``named_parameters()``, attributes and indexing are the
             wrapped module's, and state dicts load across wrapped and unwrapped models) or
-            a callable (returns a function called the same way).
+            a callable (returns a function called the same way). A ``mindspore.nn.Cell``
+            gets a MindSpore wrapper Cell; in MindSpore graph mode, without options,
+            ``cell.recompute()`` is called and the cell itself returned.
         **checkpoint_kwargs: ``policy_fn``, ``swap_inputs``, ``context_fn``,
             ``group_swap``, ``use_reentrant``, ``preserve_rng_state``,
             ``determinism_check``, ``debug``, ``early_stop``,

@@ -74,6 +74,9 @@ def swap(function, *args, policy_fn=None, group_swap=False, **kwargs):
     Args:
         function: an ``nn.Module`` or callable; its registered schedule node (if any)
             places this call in the prefetch chain.
+            A ``mindspore.nn.Cell``, or a function called with MindSpore tensors,
+            runs on the MindSpore backend (PyNative mode; op names in policies are
+            MindSpore's, e.g. ``"MatMul"``; docs/design.md, "Backends").
         *args, **kwargs: passed to ``function``.
         policy_fn: ``policy_fn(tensor) -> CheckpointPolicy`` per saved tensor:
             ``MUST_SWAP`` offloads it, ``MUST_SAVE`` keeps it on device. ``None`` swaps
@@ -124,7 +127,8 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False):
     other saved tensors of a plain registered module stay on device.
 
     Args:
-        target: a tensor or a nested container (tuple, list, dict) of tensors.
+        target: a tensor or a nested container (tuple, list, dict) of tensors
+            (MindSpore tensors register with the running MindSpore region).
         tag: a label for debugging; not used for scheduling.
         group_swap: fuse the group's small tensors into few large copies.
 

@@ -230,7 +230,8 @@ class SwapManager:
         layer ``i+1`` runs backward.
 
         Args:
-            first, second: ``nn.Module`` s (wrapped or not) or plain functions.
+            first, second: ``nn.Module`` s (wrapped or not) or plain functions, or
+                ``mindspore.nn.Cell`` s (wrapped or not).
 
         Raises:
             ValueError: when ``first is second``.

@@ -155,7 +155,8 @@ def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False):
 
     Args:
         module_or_fn: ``nn.Module`` (returns a transparent wrapper module) or a callable
-            (returns a function with the same signature).
+            (returns a function with the same signature). A ``mindspore.nn.Cell`` gets a
+            MindSpore wrapper Cell (PyNative mode; docs/design.md, "Backends").
         policy_fn: per-tensor policy, as in :func:`swap`.
         group_swap: fuse small tensors into few copies, as in :func:`swap`.
 
