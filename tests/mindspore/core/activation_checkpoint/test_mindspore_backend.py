@@ -279,3 +279,18 @@ def test_package_and_torch_calls_never_import_mindspore():
         "swap_wrapper(lambda x: x * 2)(torch.ones(2, requires_grad=True))\n"
         "assert 'mindspore' not in sys.modules, 'mindspore was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_chain_of_cells_unregister_and_wrapper_refusal():
+    model = make_model(register=True)
+    chain(model)
+    wrapped = swap_wrapper(Block())
+    with pytest.raises(ValueError, match="hyper_parallel: set_forward_prefetch_layer"):
+        SwapManager().set_forward_prefetch_layer(wrapped, wrapped._checkpoint_wrapped_module)
+    with pytest.raises(ValueError, match="already wrapped"):
+        checkpoint_wrapper(wrapped)
+    SwapManager().unregister(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # swap_tensor_wrapper outside any region
+        train(model, meter=False)
+    assert SwapManager().stats()["offload_count"] == 0  # no region, nothing registered
