@@ -223,6 +223,10 @@ class MsRegion:
         cgroup = self.group.cgroup
         if exc_type is not None:
             _C.abort_forward(cgroup)
+            # An exception out of a forward under autodiff leaves PyNative's graph stack
+            # half built (the next backward fails inside MindSpore); MindSpore's own
+            # recompute clears it the same way on error.
+            _pynative_executor.clear_res()
             return False
         _C.end_forward(cgroup)
         return False
