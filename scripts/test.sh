@@ -13,3 +13,8 @@ echo "[test] C++ (ctest)"
 ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error -j2
 echo "[test] Python (pytest)"
 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest tests/python "$@"
+# The device tests again, on the simulated accelerator (tests/sim): the accelerator copy
+# engine, pinned pool and in-place free/refill through PrivateUse1, and the race tests.
+echo "[test] Python on the simulated accelerator (HP_TEST_DEVICE=hpsim, -m device)"
+HP_TEST_DEVICE=hpsim PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+  "$PY" -m pytest tests/python/core -m device "$@"

@@ -195,6 +195,14 @@ c10::Allocator* device_allocator() {
   return a;
 }
 
+namespace {
+// c10::GetAllocator(PrivateUse1): storages made without a tensor (UntypedStorage(n,
+// device=...), deepcopy) allocate here.
+struct RegisterAllocator {
+  RegisterAllocator() { c10::SetAllocator(c10::DeviceType::PrivateUse1, device_allocator()); }
+} register_allocator;
+}  // namespace
+
 c10::Allocator* pinned_allocator() {
   static PinnedAllocator* a = new PinnedAllocator();
   return a;

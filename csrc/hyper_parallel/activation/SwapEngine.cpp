@@ -4,6 +4,7 @@
 #include "hyper_parallel/common/Macros.h"
 
 #include <ATen/core/TensorBody.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/DeviceGuard.h>
 
 #include <pthread.h>
@@ -65,11 +66,18 @@ at::DataPtr free_in_place(const c10::Storage& storage) {
 }
 
 // Re-allocates `nbytes` for `storage` in place, with the current (compute) stream of its
-// device current, so the caching allocator ties the block to the compute stream.
+// device current, so the caching allocator ties the block to the compute stream. A
+// PrivateUse1 backend (torch_npu) resizes through its hook, which knows its private storage
+// formats; every other device through the storage's allocator (docs/design.md, "Streams
+// and events").
 void refill_in_place(const c10::Storage& storage, size_t nbytes, c10::Device device) {
   c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
   c10::OptionalDeviceGuard guard;
   if (!device.is_cpu()) guard.reset_device(device);
+  if (device.is_privateuseone() && at::isPrivateUse1HooksRegistered()) {
+    at::detail::getPrivateUse1Hooks().resizePrivateUse1Bytes(storage, nbytes);
+    return;
+  }
   impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
   impl->set_nbytes(nbytes);
 }
