@@ -159,3 +159,50 @@ def test_host_read_of_device_memory_crashes_under_protection(tmp_path):
                           env=env, timeout=120, cwd=root)
     assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
     assert proc.returncode < 0  # killed by SIGSEGV
+
+
+def test_pinned_block_not_reused_while_its_h2d_reads_it(sim):
+    """The host pool is shared by every device. Device 0 reloads from block X on a slow link
+    (the compute stream only waits on the device, the host runs on); device 1 then offloads
+    a tensor of X's size class. Its D2H is short, so had it been given X it would overwrite
+    X before device 0's H2D read it. The pool hands out a fresh block instead, and X again
+    once its H2D has finished."""
+    from hyper_parallel.core.activation_checkpoint import swap_tensor_wrapper
+
+    sim.configure(link_ns_per_byte=20000.0)  # 4 KiB: 82 ms on the link; 64 B: 1.3 ms
+    manager = SwapManager()
+    dev0, dev1 = torch.device("hpsim", 0), torch.device("hpsim", 1)
+    a_host, b_host = torch.randn(1024), torch.randn(16)  # 4096 B and 64 B: one size class
+
+    def saved_square(name, host, device):
+        leaf = host.to(device).requires_grad_()
+        with manager.group_context(name):
+            y = swap_tensor_wrapper(leaf * 1.0)
+            out = (y * y).sum()
+        return leaf, out
+
+    leaf_a, out_a = saved_square("a", a_host, dev0)
+    manager.launch_offload("a")
+    manager.wait_offload("a")
+    manager.launch_load("a")
+    manager.wait_load("a")  # a stream wait: the H2D from X is still on the link
+    before = manager.stats()
+    leaf_b, out_b = saved_square("b", b_host, dev1)
+    manager.launch_offload("b")
+    after = manager.stats()
+    assert after["offload_count"] == before["offload_count"] + 1
+    assert after["host_allocations"] == before["host_allocations"] + 1  # X was pending
+    manager.wait_offload("b")
+    manager.launch_load("b")
+    manager.wait_load("b")
+    out_a.backward()
+    out_b.backward()
+    # Both saved tensors came back intact: d(sum y^2)/dx = 2y.
+    assert torch.equal(leaf_a.grad.cpu(), 2 * a_host)
+    assert torch.equal(leaf_b.grad.cpu(), 2 * b_host)
+    # Once X's H2D is done, the next offload of its class reuses it.
+    torch.hpsim.synchronize(0)
+    reuses = manager.stats()["host_reuses"]
+    leaf_c, out_c = saved_square("c", b_host, dev1)
+    manager.launch_offload("c")
+    assert manager.stats()["host_reuses"] == reuses + 1
