@@ -2,6 +2,7 @@
 
 #include "Runtime.h"
 
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/Exception.h>
 
 #include <sys/mman.h>
@@ -97,8 +98,31 @@ void free_block(void* ctx) {
   heap.stats.deferred_reuses += 1;
 }
 
-class DeviceAllocator final : public c10::Allocator {
+// A c10::DeviceAllocator, so torch.accelerator.memory_allocated() and friends read the
+// counters below.
+class DeviceAllocator final : public c10::DeviceAllocator {
  public:
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t) override {}  // blocks stay cached (never unmapped)
+  void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
+    record_stream(ptr, stream.id());
+  }
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    const MemoryStats m = memory_stats(device);
+    c10::CachingDeviceAllocator::DeviceStats out;
+    auto& allocated = out.allocated_bytes[0];  // StatType::AGGREGATE
+    allocated.current = m.allocated_bytes;
+    allocated.peak = m.peak_allocated_bytes;
+    out.active_bytes[0] = allocated;
+    out.requested_bytes[0] = allocated;
+    out.reserved_bytes[0].current = m.reserved_bytes;
+    out.reserved_bytes[0].peak = m.reserved_bytes;
+    out.allocation[0].current = m.allocations;
+    return out;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex) override {}
+  void resetPeakStats(c10::DeviceIndex device) override { reset_peak(device); }
+
   c10::DataPtr allocate(size_t nbytes) override {
     const int device = current_device();
     const c10::Device dev(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device));

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "model, odd steps the decoder layers)")
     p.add_argument("--device", default="auto",
                    help="'auto' (the accelerator if there is one, else cpu), 'cpu', 'cuda', "
-                        "'cuda:1', 'npu', ...")
+                        "'cuda:1', 'npu', ...; 'hpsim': the simulated accelerator of the "
+                        "test suite (a source checkout built with scripts/setup.sh)")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help="comma-separated list of: " + ", ".join(STRATEGIES))
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"],
@@ -63,6 +64,26 @@ def resolve_device(text: str) -> torch.device:
         if torch.accelerator.is_available():
             return torch.accelerator.current_accelerator()
         return torch.device("cpu")
+    if text.split(":")[0] == "hpsim":
+        return _load_simulated_device(text)
+    return torch.device(text)
+
+
+def _load_simulated_device(text: str) -> torch.device:
+    """The test-only simulated accelerator (tests/sim/hpsim.py), loaded from the source
+    checkout this package runs from; it is not part of an installed package."""
+    import importlib.util
+    import pathlib
+
+    loader = pathlib.Path(__file__).resolve().parents[3] / "tests" / "sim" / "hpsim.py"
+    if not loader.is_file():
+        raise SystemExit(
+            "hyper_parallel: --device hpsim needs a source checkout (tests/sim/hpsim.py) "
+            "built with `bash scripts/setup.sh`; it is not part of an installed package.")
+    spec = importlib.util.spec_from_file_location("hyper_parallel_hpsim", loader)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.load()
     return torch.device(text)
 
 
