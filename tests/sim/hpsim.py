@@ -68,23 +68,19 @@ def _module() -> types.ModuleType:
     return m
 
 
-_loaded = False
-
-
 def load() -> torch.device:
-    """Loads and registers the simulated device once per process; returns hpsim:0."""
-    global _loaded
-    if not _loaded:
+    """Loads and registers the simulated device once per process (whichever copy of this
+    module asks first); returns hpsim:0."""
+    if not is_loaded():
         torch.ops.load_library(library_path())
         torch.utils.rename_privateuse1_backend(NAME)
         torch._register_device_module(NAME, _module())
         torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
-        _loaded = True
     return torch.device(NAME, 0)
 
 
 def is_loaded() -> bool:
-    return _loaded
+    return torch._C._get_privateuse1_backend_name() == NAME and hasattr(torch, NAME)
 
 
 def configure(*, link_ns_per_byte: float = 0.0, protect: bool = False, poison: bool = True,
