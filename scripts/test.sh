@@ -17,4 +17,4 @@ PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest tests/python "$
 # engine, pinned pool and in-place free/refill through PrivateUse1, and the race tests.
 echo "[test] Python on the simulated accelerator (HP_TEST_DEVICE=hpsim, -m device)"
 HP_TEST_DEVICE=hpsim PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" \
-  "$PY" -m pytest tests/python/core -m device "$@"
+  "$PY" -m pytest tests/python -m device "$@"
