@@ -50,8 +50,24 @@ def _index(device) -> int:
     return device.index if device.index is not None else _ops().current_device()
 
 
+class _DeviceContext:
+    """``with torch.hpsim.device(d):`` makes ``d`` the current device (torch's storage
+    copies and serialization use it)."""
+
+    def __init__(self, device) -> None:
+        self.index = _index(device)
+
+    def __enter__(self):
+        self.previous = _ops().current_device()
+        _ops().set_device(self.index)
+
+    def __exit__(self, *exc) -> None:
+        _ops().set_device(self.previous)
+
+
 def _module() -> types.ModuleType:
     m = types.ModuleType("torch.hpsim")
+    m.device = _DeviceContext
     m.is_available = lambda: True
     m.device_count = lambda: _ops().device_count()
     m.current_device = lambda: _ops().current_device()
