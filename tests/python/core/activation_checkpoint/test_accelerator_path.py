@@ -206,3 +206,23 @@ def test_pinned_block_not_reused_while_its_h2d_reads_it(sim):
     leaf_c, out_c = saved_square("c", b_host, dev1)
     manager.launch_offload("c")
     assert manager.stats()["host_reuses"] == reuses + 1
+
+
+def test_torch_stream_and_event_work_on_the_simulated_device(sim):
+    """The DeviceGuardImpl behind torch.Stream / torch.Event: record, wait, query, timing."""
+    sim.configure(link_ns_per_byte=20000.0)  # a 4 KiB pinned copy takes ~82 ms
+    side = torch.Stream(device=DEV)
+    start, end = torch.Event(device=DEV, enable_timing=True), torch.Event(
+        device=DEV, enable_timing=True)
+    host = torch.arange(1024.0).pin_memory()
+    assert host.is_pinned()
+    out = torch.empty(1024, device=DEV)
+    with torch.accelerator.stream(side) if hasattr(torch.accelerator, "stream") else side:
+        start.record(side)
+        out.copy_(host, non_blocking=True)  # asynchronous: pinned source
+        end.record(side)
+    assert not end.query()
+    torch.accelerator.current_stream(DEV).wait_event(end)
+    assert torch.equal(out.cpu(), torch.arange(1024.0))  # compute stream ordered after it
+    end.synchronize()
+    assert end.query() and start.elapsed_time(end) >= 80.0  # milliseconds
