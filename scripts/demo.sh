@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 bash scripts/setup.sh >&2
 # With no arguments: the defaults, writing the JSON results and the plot under out/.
 if [ "$#" -eq 0 ]; then
-  set -- --json out/demo.json --plot out/demo.png
+  set -- --json out/demo.json --plot out/demo.png --trace out/trace.json
   mkdir -p out
 fi
 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -m hyper_parallel.demo "$@"

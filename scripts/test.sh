@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up (scripts/setup.sh), then runs all tests: the GoogleTest suite through CTest, the
-# Python suite through pytest, and the MindSpore backend's suite (tests/mindspore) in its
+# Python suite through pytest (again on the simulated accelerator for the device tests), and the MindSpore backend's suite (tests/mindspore) in its
 # own virtual environment (scripts/setup_mindspore.sh: created once, then cached). Fails on
 # any failure and when a suite runs no test.
 # Extra arguments go to the torch pytest run (e.g. -k swap); the MindSpore suite then runs
@@ -16,6 +16,11 @@ echo "[test] C++ (ctest)"
 ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error -j2
 echo "[test] Python (pytest)"
 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest tests/python "$@"
+# The device tests again, on the simulated accelerator (tests/sim): the accelerator copy
+# engine, pinned pool and in-place free/refill through PrivateUse1, and the race tests.
+echo "[test] Python on the simulated accelerator (HP_TEST_DEVICE=hpsim, -m device)"
+HP_TEST_DEVICE=hpsim PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+  "$PY" -m pytest tests/python -m device "$@"
 
 MS_DEFAULT=1
 if [ "$#" -gt 0 ]; then MS_DEFAULT=0; fi

@@ -6,4 +6,5 @@ PYBIND11_MODULE(_C, m) {
   hyper_parallel::bindings::bind_swap(m);
   hyper_parallel::bindings::bind_region(m);
   hyper_parallel::bindings::bind_checkpoint(m);
+  hyper_parallel::bindings::bind_trace(m);
 }

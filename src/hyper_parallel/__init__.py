@@ -6,7 +6,8 @@ host memory with overlapped prefetch), or both, layer by layer. The public API l
 
 The distributed entry points of PyTorch that the user guide composes with are
 re-exported here (``fully_shard``, ``init_device_mesh``, ``parallelize_module``,
-``ColwiseParallel``, ``RowwiseParallel``); they are imported lazily.
+``ColwiseParallel``, ``RowwiseParallel``), with ``activation_trace`` (the swap timeline);
+they are imported lazily.
 """
 
 __version__ = "0.1.0"
@@ -19,10 +20,15 @@ _TORCH_REEXPORTS = {
     "RowwiseParallel": "torch.distributed.tensor.parallel",
 }
 
-__all__ = ["__version__", *_TORCH_REEXPORTS]
+__all__ = ["__version__", "activation_trace", *_TORCH_REEXPORTS]
 
 
 def __getattr__(name):
+    if name == "activation_trace":  # the swap timeline (core.activation_checkpoint._trace)
+        from .core.activation_checkpoint import activation_trace
+
+        globals()[name] = activation_trace
+        return activation_trace
     module = _TORCH_REEXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hyper_parallel' has no attribute {name!r}")

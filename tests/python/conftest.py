@@ -23,9 +23,19 @@ def _clean_swap_engine():
     manager.set_cpu_swap(False, delay_ns_per_byte=0.0)
 
 
+_DEVICE = os.environ.get("HP_TEST_DEVICE", "cpu")
+if _DEVICE.split(":")[0] == "hpsim":
+    # The simulated accelerator (tests/sim) must be registered before the first backward:
+    # the autograd engine sizes its per-device worker threads once, at its first run.
+    from tests.sim import hpsim
+
+    hpsim.load()
+
+
 def test_device() -> torch.device:
-    """The device the swap tests run on: HP_TEST_DEVICE (default "cpu")."""
-    return torch.device(os.environ.get("HP_TEST_DEVICE", "cpu"))
+    """The device the swap tests run on: HP_TEST_DEVICE (default "cpu"; "hpsim" is the
+    simulated accelerator of tests/sim)."""
+    return torch.device(_DEVICE)
 
 
 @pytest.fixture
@@ -49,3 +59,11 @@ def cpu_swap(dev):
     from hyper_parallel.core.activation_checkpoint import SwapManager
 
     return SwapManager()
+
+
+def pytest_collection_modifyitems(config, items):
+    # Marker `device` (pyproject.toml): tests that run on HP_TEST_DEVICE.
+    for item in items:
+        if "dev" in getattr(item, "fixturenames", ()) or item.module.__name__.endswith(
+                "test_accelerator_path"):
+            item.add_marker(pytest.mark.device)

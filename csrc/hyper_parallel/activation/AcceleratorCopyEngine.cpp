@@ -1,6 +1,9 @@
 #include "hyper_parallel/activation/AcceleratorCopyEngine.h"
 
+#include "hyper_parallel/activation/Trace.h"
 #include "hyper_parallel/common/Macros.h"
+
+#include <ATen/record_function.h>
 
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
@@ -24,8 +27,21 @@ c10::Stream current_stream(c10::Device device) { return guard_impl(device)->getS
 // A recorded c10::Event. c10::Event is move-only; the shared_ptr of CopyEventPtr shares it.
 class StreamEvent final : public CopyEvent {
  public:
-  StreamEvent(c10::Device device, const c10::Stream& stream) : event_(device.type()) {
+  // `start`: a timing event recorded on `stream` before the batch (only while a trace
+  // records), which makes interval() available.
+  StreamEvent(c10::Device device, const c10::Stream& stream,
+              std::shared_ptr<c10::Event> start = nullptr)
+      : device_(device),
+        event_(device.type(),
+               start ? c10::EventFlag::BACKEND_DEFAULT : c10::EventFlag::PYTORCH_DEFAULT),
+        start_(std::move(start)) {
     event_.record(stream);
+  }
+  bool interval(int64_t& start_ns, int64_t& end_ns) const override {
+    if (!start_) return false;
+    Trace& trace = Trace::global();
+    return trace.host_time_of(device_, *start_, start_ns) &&
+           trace.host_time_of(device_, event_, end_ns);
   }
   bool query() const override { return event_.query(); }
   double synchronize() const override {
@@ -42,7 +58,9 @@ class StreamEvent final : public CopyEvent {
   void block(const c10::Stream& stream) const { event_.block(stream); }
 
  private:
+  c10::Device device_;
   c10::Event event_;
+  std::shared_ptr<c10::Event> start_;
 };
 
 }  // namespace
@@ -80,6 +98,13 @@ CopyEventPtr AcceleratorCopyEngine::submit(CopyDirection direction, c10::Device 
     if (auto* se = dynamic_cast<const StreamEvent*>(ev.get())) se->block(side);
   }
   const bool to_host = direction == CopyDirection::kDeviceToHost;
+  RECORD_USER_SCOPE(to_host ? "hyper_parallel::offload" : "hyper_parallel::reload");
+  std::shared_ptr<c10::Event> start;
+  if (Trace::global().on()) {  // docs/design.md, "Timeline"
+    Trace::global().ensure_reference(device);
+    start = std::make_shared<c10::Event>(device.type(), c10::EventFlag::BACKEND_DEFAULT);
+    start->record(side);
+  }
   {
     c10::StreamGuard stream_guard(side);
     if (plan.fused && !plan.items.empty()) {
@@ -119,7 +144,7 @@ CopyEventPtr AcceleratorCopyEngine::submit(CopyDirection direction, c10::Device 
       transfers_ += static_cast<int64_t>(plan.items.size());
     }
   }
-  return std::make_shared<StreamEvent>(device, side);
+  return std::make_shared<StreamEvent>(device, side, std::move(start));
 }
 
 void AcceleratorCopyEngine::release_after(CopyDirection direction, c10::Device device,

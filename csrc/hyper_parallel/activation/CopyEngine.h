@@ -41,6 +41,9 @@ class CopyEvent {
   // this does not block the host; on the thread engine it is a host wait (the host is
   // the compute stream). Returns host seconds waited (0 when nothing blocked).
   virtual double block_compute(c10::Device device) const = 0;
+  // Once completed: the interval during which the batch ran, on the host clock of
+  // trace_now_ns() (Trace.h). False when it was not measured (no trace at submit).
+  virtual bool interval(int64_t& start_ns, int64_t& end_ns) const { return false; }
 };
 using CopyEventPtr = std::shared_ptr<const CopyEvent>;
 

@@ -1,9 +1,11 @@
 #include "hyper_parallel/activation/SwapEngine.h"
 
 #include "hyper_parallel/activation/Eligibility.h"
+#include "hyper_parallel/activation/Trace.h"
 #include "hyper_parallel/common/Macros.h"
 
 #include <ATen/core/TensorBody.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/DeviceGuard.h>
 
 #include <pthread.h>
@@ -65,13 +67,33 @@ at::DataPtr free_in_place(const c10::Storage& storage) {
 }
 
 // Re-allocates `nbytes` for `storage` in place, with the current (compute) stream of its
-// device current, so the caching allocator ties the block to the compute stream.
+// device current, so the caching allocator ties the block to the compute stream. A
+// PrivateUse1 backend (torch_npu) resizes through its hook, which knows its private storage
+// formats; every other device through the storage's allocator (docs/design.md, "Streams
+// and events").
 void refill_in_place(const c10::Storage& storage, size_t nbytes, c10::Device device) {
   c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
   c10::OptionalDeviceGuard guard;
   if (!device.is_cpu()) guard.reset_device(device);
+  if (device.is_privateuseone() && at::isPrivateUse1HooksRegistered()) {
+    at::detail::getPrivateUse1Hooks().resizePrivateUse1Bytes(storage, nbytes);
+    return;
+  }
   impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
   impl->set_nbytes(nbytes);
+}
+
+// Timeline label of a group / of a record's first live holder (docs/design.md, "Timeline").
+std::string trace_label(const SwapGroup& group) {
+  if (!group.name().empty()) return group.name();
+  return group.layer() >= 0 ? "layer " + std::to_string(group.layer())
+                            : "region " + std::to_string(group.id());
+}
+std::string trace_label(const StorageRecord& record) {
+  for (const auto& weak : record.holders) {
+    if (auto group = weak.lock()) return trace_label(*group);
+  }
+  return "unowned";
 }
 
 }  // namespace
@@ -201,6 +223,7 @@ std::shared_ptr<SwapGroup> SwapEngine::begin_forward(int64_t layer, const std::s
   {
     std::lock_guard<std::mutex> lock(mu_);
     group = std::make_shared<SwapGroup>(next_group_id_++, layer, name, manual, group_swap);
+    if (Trace::global().on()) group->trace_forward_start_ns = trace_now_ns();
     schedule_.on_begin(group);
     if (!name.empty()) named_[name] = group;
     if (manual) manual_[name] = group;
@@ -258,6 +281,10 @@ bool SwapEngine::end_forward(const std::shared_ptr<SwapGroup>& group) {
     }
   }
   group->forward_done = true;
+  if (group->trace_forward_start_ns != 0) {
+    Trace::global().range("forward", trace_label(*group), group->trace_forward_start_ns,
+                          trace_now_ns());
+  }
   if (schedule_.releases_at_forward_end(*group)) release_locked(group);
   retry_deferred_locked();
   return !group->manual() && !schedule_.scheduled(group->layer()) && !group->records().empty();
@@ -279,6 +306,7 @@ void SwapEngine::abandon_forward(const std::shared_ptr<SwapGroup>& group) {
 
 void SwapEngine::backward_begin(const std::shared_ptr<SwapGroup>& group) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (Trace::global().on()) Trace::global().backward_begin(trace_label(*group));
   for (const auto& g : schedule_.prefetch_targets(group, options_.prefetch_depth)) {
     g->backward_started = true;  // its records stay on device from now on
     load_group_locked(g);
@@ -364,6 +392,7 @@ at::Tensor SwapEngine::unpack(const SavedHandle& handle) {
            "checkpoint/swap region.");
   const auto& record = handle.record();
   CopyEventPtr pending;
+  std::string label;  // timeline only
   {
     std::lock_guard<std::mutex> lock(mu_);
     // From here a backward reads this storage: no release point on any thread may take it
@@ -371,6 +400,7 @@ at::Tensor SwapEngine::unpack(const SavedHandle& handle) {
     // storage's use count cannot show autograd's reference).
     record->in_use_by_backward = true;
     if (const auto& g = handle.group()) g->backward_started = true;
+    if (Trace::global().on()) label = trace_label(*record);
     switch (record->state()) {
       case Residency::kDevice:
         check_resident(*record, alias);
@@ -380,6 +410,8 @@ at::Tensor SwapEngine::unpack(const SavedHandle& handle) {
         // A schedule hole (no prefetch reached this group): reload on demand. The reload
         // is ordered after the D2H copy (SPEC 4.2).
         counters_->on_demand_reloads += 1;
+        Trace::global().instant("on_demand", record->device(), label,
+                                static_cast<int64_t>(record->nbytes()), 1);
         reload_locked(record);
         [[fallthrough]];
       case Residency::kReloading:
@@ -387,7 +419,12 @@ at::Tensor SwapEngine::unpack(const SavedHandle& handle) {
         break;
     }
   }
-  const double waited = skip_reload_wait_.load() ? 0.0 : pending->block_compute(record->device());
+  const c10::Device device = record->device();
+  const double waited = skip_reload_wait_.load()
+                            ? 0.0
+                            : Trace::global().timed_wait(device, label, [&] {
+                                return pending->block_compute(device);
+                              });
   counters_->stall_nanoseconds += static_cast<int64_t>(waited * 1e9);
   std::lock_guard<std::mutex> lock(mu_);
   if (record->state() == Residency::kReloading && record->h2d_done == pending) {
@@ -518,7 +555,15 @@ void SwapEngine::offload_batch_locked(const std::vector<std::shared_ptr<StorageR
     plan.items.push_back(std::move(item));
     offset += records[i]->nbytes();
   }
+  const int64_t enqueue_ns = trace_now_ns();
   CopyEventPtr done = engine.submit(CopyDirection::kDeviceToHost, device, plan, {});
+  if (Trace::global().on()) {
+    const std::string label = trace_label(*records.front());
+    const auto n = static_cast<int64_t>(records.size());
+    Trace::global().copy(CopyDirection::kDeviceToHost, device, label,
+                         static_cast<int64_t>(total), n, enqueue_ns, done);
+    Trace::global().instant("free", device, label, static_cast<int64_t>(total), n);
+  }
   for (auto& block : blocks) block->set_last_use(done);
   plan.items.clear();  // drop our byte views before freeing
   auto bucket = fused ? std::make_shared<std::vector<std::weak_ptr<StorageRecord>>>() : nullptr;
@@ -600,7 +645,15 @@ void SwapEngine::reload_batch_locked(const std::vector<std::shared_ptr<StorageRe
     }
     total += m->nbytes();
   }
+  const int64_t enqueue_ns = trace_now_ns();
   CopyEventPtr done = engine.submit(CopyDirection::kHostToDevice, device, plan, after);
+  if (Trace::global().on()) {
+    const std::string label = trace_label(*members.front());
+    const auto n = static_cast<int64_t>(members.size());
+    Trace::global().instant("refill", device, label, static_cast<int64_t>(total), n);
+    Trace::global().copy(CopyDirection::kHostToDevice, device, label,
+                         static_cast<int64_t>(total), n, enqueue_ns, done);
+  }
   for (size_t i = 0; i < members.size(); ++i) {
     const auto& m = members[i];
     m->host->set_last_use(done);
@@ -706,15 +759,20 @@ void SwapEngine::launch_load(const std::shared_ptr<SwapGroup>& group) {
 void SwapEngine::wait_load(const std::shared_ptr<SwapGroup>& group) {
   HP_CHECK_VALUE(group, "wait_load: no such swap group");
   std::vector<std::pair<std::shared_ptr<StorageRecord>, CopyEventPtr>> pending;
+  std::string label;  // timeline only
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& r : group->records()) {
       if (r->state() == Residency::kReloading) pending.emplace_back(r, r->h2d_done);
     }
+    if (Trace::global().on()) label = trace_label(*group);
   }
   for (const auto& p : pending) {
-    counters_->stall_nanoseconds +=
-        static_cast<int64_t>(p.second->block_compute(p.first->device()) * 1e9);
+    const c10::Device device = p.first->device();
+    counters_->stall_nanoseconds += static_cast<int64_t>(
+        Trace::global().timed_wait(device, label,
+                                   [&] { return p.second->block_compute(device); }) *
+        1e9);
   }
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& p : pending) {

@@ -65,6 +65,7 @@ class SwapGroup {
   // region bookkeeping, e.g. KeyboardInterrupt): its stack entry is pruned by the next
   // region call on its thread. Atomic: set by a destructor without the engine lock.
   std::atomic<bool> abandoned{false};
+  int64_t trace_forward_start_ns = 0;  // begin_forward time while a Trace records
   std::weak_ptr<SwapGroup> prev;  // invocation of the predecessor layer in the same pass
   std::weak_ptr<SwapGroup> next;
 

@@ -1,5 +1,7 @@
 #include "hyper_parallel/activation/ThreadCopyEngine.h"
 
+#include "hyper_parallel/activation/Trace.h"
+
 #include "hyper_parallel/common/Macros.h"
 
 #include <atomic>
@@ -29,7 +31,14 @@ class FlagEvent final : public CopyEvent {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   double block_compute(c10::Device) const override { return synchronize(); }
+  bool interval(int64_t& start_ns, int64_t& end_ns) const override {
+    start_ns = start_ns_.load();
+    end_ns = end_ns_.load();
+    return query() && start_ns != 0;
+  }
+  void stamp_start() { start_ns_.store(trace_now_ns()); }  // the worker began the batch
   void set() {
+    end_ns_.store(trace_now_ns());
     bool notify;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -44,6 +53,7 @@ class FlagEvent final : public CopyEvent {
   mutable std::condition_variable cv_;
   mutable int waiters_ = 0;
   std::atomic<bool> done_{false};
+  std::atomic<int64_t> start_ns_{0}, end_ns_{0};
 };
 
 void copy_bytes(void* dst, const void* src, size_t n) {
@@ -162,6 +172,7 @@ CopyEventPtr ThreadCopyEngine::submit(CopyDirection direction, c10::Device devic
       [hosts = std::move(hosts), keep = std::move(keep), spans = std::move(spans), after, done,
        to_host, total, delay = delay_ns_per_byte_.load()]() {
         for (const auto& ev : after) ev->synchronize();
+        done->stamp_start();
         // The artificial link delay comes BEFORE the bytes move: a reader that does not
         // wait for `done` then sees bytes that are not there yet, and memory freed or
         // reused before its D2H ran is read too late, so a missing wait in the protocol

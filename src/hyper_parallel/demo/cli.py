@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import time
@@ -11,7 +12,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hyper_parallel.core.activation_checkpoint import SwapManager
+from hyper_parallel.core.activation_checkpoint import ActivationTrace, SwapManager, activation_trace
 
 from .data import load_corpus, make_batches, stdlib_dir
 from .strategies import STRATEGIES, parse_strategies
@@ -40,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "model, odd steps the decoder layers)")
     p.add_argument("--device", default="auto",
                    help="'auto' (the accelerator if there is one, else cpu), 'cpu', 'cuda', "
-                        "'cuda:1', 'npu', ...")
+                        "'cuda:1', 'npu', ...; 'hpsim': the simulated accelerator of the "
+                        "test suite (a source checkout built with scripts/setup.sh)")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help="comma-separated list of: " + ", ".join(STRATEGIES))
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"],
@@ -54,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "on an accelerator: torch's choice")
     p.add_argument("--json", metavar="PATH", help="write one JSON record per strategy here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot here")
+    p.add_argument("--trace", metavar="PATH",
+                   help="write the swap timeline of the strategies that swap here (Chrome "
+                        "trace JSON: open it in https://ui.perfetto.dev)")
     return p
 
 
@@ -63,6 +68,26 @@ def resolve_device(text: str) -> torch.device:
         if torch.accelerator.is_available():
             return torch.accelerator.current_accelerator()
         return torch.device("cpu")
+    if text.split(":")[0] == "hpsim":
+        return _load_simulated_device(text)
+    return torch.device(text)
+
+
+def _load_simulated_device(text: str) -> torch.device:
+    """The test-only simulated accelerator (tests/sim/hpsim.py), loaded from the source
+    checkout this package runs from; it is not part of an installed package."""
+    import importlib.util
+    import pathlib
+
+    loader = pathlib.Path(__file__).resolve().parents[3] / "tests" / "sim" / "hpsim.py"
+    if not loader.is_file():
+        raise SystemExit(
+            "hyper_parallel: --device hpsim needs a source checkout (tests/sim/hpsim.py) "
+            "built with `bash scripts/setup.sh`; it is not part of an installed package.")
+    spec = importlib.util.spec_from_file_location("hyper_parallel_hpsim", loader)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.load()
     return torch.device(text)
 
 
@@ -151,6 +176,7 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> list[
             f"strategy on {device} ({_plural(torch.get_num_threads(), 'torch thread')}).")
 
         results = []
+        timeline = ActivationTrace()
         with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                       console=console, transient=False) as progress:
@@ -160,9 +186,13 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> list[
                 def on_step(step, loss, task=task):
                     progress.update(task, advance=1, info=f"loss {loss:.4f}")
 
-                results.append(train_strategy(
-                    name, config=config, state=state, batches=batches, device=device,
-                    seed=args.seed, lr=args.lr, on_step=on_step, keep_final_state=True))
+                with (activation_trace() if args.trace else contextlib.nullcontext()) as trace:
+                    results.append(train_strategy(
+                        name, config=config, state=state, batches=batches, device=device,
+                        seed=args.seed, lr=args.lr, on_step=on_step, keep_final_state=True))
+                for item in trace.items if args.trace else ():
+                    item["label"] = f"{name}: {item['label']}"
+                    timeline.items.append(item)
     finally:
         manager.set_cpu_swap(cpu_swap_before)
         torch.set_num_threads(threads_before)
@@ -178,6 +208,9 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> list[
     if args.plot:
         write_plot(records, args.plot, title)
         console.print(f"wrote {args.plot}")
+    if args.trace:
+        timeline.write(args.trace)
+        console.print(f"wrote {args.trace} (swap timeline: open it in https://ui.perfetto.dev)")
     console.print(f"total wall time {run_info['wall_seconds']:.1f} s (after imports)")
     return records
 

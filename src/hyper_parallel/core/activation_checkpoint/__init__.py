@@ -11,15 +11,18 @@ from ._policy import CheckpointPolicy
 from ._selective import SelectiveCheckpointContext, create_selective_checkpoint_contexts
 from ._swap import swap, swap_tensor_wrapper
 from ._swap_manager import SwapManager
+from ._trace import ActivationTrace, activation_trace
 from ._wrappers import SwapWrapper, swap_wrapper
 
 __all__ = [
+    "ActivationTrace",
     "CheckpointPolicy",
     "CheckpointWrapper",
     "SavedActivationMeter",
     "SelectiveCheckpointContext",
     "SwapManager",
     "SwapWrapper",
+    "activation_trace",
     "checkpoint",
     "checkpoint_sequential",
     "checkpoint_wrapper",

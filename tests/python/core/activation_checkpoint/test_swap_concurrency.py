@@ -177,6 +177,9 @@ def test_deferred_release_is_retried_only_by_its_own_thread(cpu_swap, dev, debug
     h0 = stack.plain[0](x)
     ref = torch.autograd.grad(
         (stack.plain[2](stack.plain[1](h0)) + h0).pow(2).mean(), stack.plain_params())
+    if dev.type != "cpu":
+        pytest.skip("on an accelerator both backwards run on autograd's one worker thread "
+                    "per device, so A's paused backward would block B's (as on CUDA)")
     in_backward, release = threading.Event(), threading.Event()
 
     class Gate(torch.autograd.Function):
