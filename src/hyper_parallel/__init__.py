@@ -4,9 +4,10 @@ Recompute (checkpoint, selective per-op policies), swap (offload saved activatio
 host memory with overlapped prefetch), or both, layer by layer. The public API lives in
 :mod:`hyper_parallel.core.activation_checkpoint`.
 
-The distributed entry points of PyTorch that the user guide composes with are
-re-exported here (``fully_shard``, ``init_device_mesh``, ``parallelize_module``,
-``ColwiseParallel``, ``RowwiseParallel``); they are imported lazily.
+Its whole-model entry points (``find_layers``, ``apply_activation_memory``,
+``remove_activation_memory``) and the distributed entry points of PyTorch that the user
+guide composes with (``fully_shard``, ``init_device_mesh``, ``parallelize_module``,
+``ColwiseParallel``, ``RowwiseParallel``) are re-exported here; all are imported lazily.
 """
 
 __version__ = "0.1.0"
@@ -19,11 +20,16 @@ _TORCH_REEXPORTS = {
     "RowwiseParallel": "torch.distributed.tensor.parallel",
 }
 
-__all__ = ["__version__", *_TORCH_REEXPORTS]
+_OWN_REEXPORTS = {
+    name: "hyper_parallel.core.activation_checkpoint"
+    for name in ("find_layers", "apply_activation_memory", "remove_activation_memory")
+}
+
+__all__ = ["__version__", *_OWN_REEXPORTS, *_TORCH_REEXPORTS]
 
 
 def __getattr__(name):
-    module = _TORCH_REEXPORTS.get(name)
+    module = _OWN_REEXPORTS.get(name) or _TORCH_REEXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hyper_parallel' has no attribute {name!r}")
     import importlib

@@ -23,6 +23,15 @@ def _clean_swap_engine():
     manager.set_cpu_swap(False, delay_ns_per_byte=0.0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_once_warnings(monkeypatch):
+    """Warnings the library gives once per process per cause are given again in each test."""
+    from hyper_parallel.core.activation_checkpoint import _apply, _diagnostics
+
+    monkeypatch.setattr(_diagnostics, "_warned", set())
+    monkeypatch.setattr(_apply, "_warned", set())
+
+
 def test_device() -> torch.device:
     """The device the swap tests run on: HP_TEST_DEVICE (default "cpu")."""
     return torch.device(os.environ.get("HP_TEST_DEVICE", "cpu"))

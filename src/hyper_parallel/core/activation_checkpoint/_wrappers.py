@@ -14,15 +14,22 @@ names starting with ``_`` and names the wrapped module lacks stay on the wrapper
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch import nn
 
 from . import _compile
+from ._policy_signature import check_swap_policy
 from ._swap import LayerCall, in_backward, swap
 
 _PREFIX = "_checkpoint_wrapped_module"
 _PREFIX_DOT = _PREFIX + "."
+
+# Module -> its live hyper_parallel wrapper. One wrapper per module at a time: two
+# wrappers of one module would each open a region for the same layer (one of them
+# outside the chain) and each carry their own options.
+_wrapper_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _strip(name: str) -> str:
@@ -41,13 +48,30 @@ class ActivationWrapper(nn.Module):
                 f"hyper_parallel: {type(module).__name__} is already wrapped by a "
                 "hyper_parallel wrapper; wrap each module once (choose checkpoint_wrapper "
                 "or swap_wrapper, and pass all options to that one call).")
+        existing = _wrapper_of.get(module)
+        existing = existing() if existing is not None else None
+        if existing is not None:
+            raise ValueError(
+                f"hyper_parallel: this {type(module).__name__} already has a hyper_parallel "
+                f"wrapper ({type(existing).__name__}); wrap each module once and use that "
+                "wrapper (a second one would run the same layer outside its chain, with other "
+                "options). Drop the first wrapper, or undo apply_activation_memory with "
+                "remove_activation_memory(model), before wrapping it again.")
         self._checkpoint_wrapped_module = module
+        _wrapper_of[module] = weakref.ref(self)
         self._register_state_dict_hook(_strip_prefix_hook)
         self._register_load_state_dict_pre_hook(_add_prefix_hook, with_module=False)
 
     @property
     def _hp_wrapped(self) -> nn.Module:
         return self._checkpoint_wrapped_module
+
+    def _hp_release(self) -> None:
+        """Lets the wrapped module be wrapped again (this wrapper is being discarded)."""
+        module = self._checkpoint_wrapped_module
+        ref = _wrapper_of.get(module)
+        if ref is not None and ref() is self:
+            del _wrapper_of[module]
 
     def __getattr__(self, name):
         try:
@@ -125,6 +149,7 @@ class SwapWrapper(ActivationWrapper):
     """Every call of the wrapped module is a :func:`swap` call (see :func:`swap_wrapper`)."""
 
     def __init__(self, module: nn.Module, policy_fn=None, group_swap: bool = False) -> None:
+        check_swap_policy(policy_fn)
         super().__init__(module)
         self._hp_policy_fn = policy_fn
         self._hp_group_swap = group_swap
@@ -171,6 +196,7 @@ def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False):
         raise TypeError(f"hyper_parallel: swap_wrapper expects an nn.Module or a callable, "
                         f"got {type(module_or_fn).__name__}")
     _refuse_double_wrap(module_or_fn)
+    check_swap_policy(policy_fn)
 
     @functools.wraps(module_or_fn)
     def wrapped(*args, **kwargs):
