@@ -254,7 +254,8 @@ def _refuse_hf_checkpointing(model: nn.Module) -> None:
             f"hyper_parallel: {type(model).__name__} has Hugging Face gradient checkpointing on "
             f"(in {on[0]}{' and others' if len(on) > 1 else ''}); its layers would be recomputed "
             "by transformers and managed by hyper_parallel at once. Call "
-            "model.gradient_checkpointing_disable() first, then apply_activation_memory.")
+            "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in "
+            "recent transformers) first, then apply_activation_memory.")
 
 
 # ---------------------------------------------------------------------------- apply

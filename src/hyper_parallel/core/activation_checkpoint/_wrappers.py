@@ -26,10 +26,11 @@ from ._swap import LayerCall, in_backward, swap
 _PREFIX = "_checkpoint_wrapped_module"
 _PREFIX_DOT = _PREFIX + "."
 
-# Module -> its live hyper_parallel wrapper. One wrapper per module at a time: two
-# wrappers of one module would each open a region for the same layer (one of them
-# outside the chain) and each carry their own options.
-_wrapper_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Module -> its live swap wrapper. One swap_wrapper per module at a time: two would each
+# open a swap region for the same layer, at most one of them in the chain, each with its
+# own options. (Several checkpoint wrappers of one module are harmless: benchmarks compare
+# policies on shared weights that way.)
+_swap_wrapper_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _strip(name: str) -> str:
@@ -48,17 +49,7 @@ class ActivationWrapper(nn.Module):
                 f"hyper_parallel: {type(module).__name__} is already wrapped by a "
                 "hyper_parallel wrapper; wrap each module once (choose checkpoint_wrapper "
                 "or swap_wrapper, and pass all options to that one call).")
-        existing = _wrapper_of.get(module)
-        existing = existing() if existing is not None else None
-        if existing is not None:
-            raise ValueError(
-                f"hyper_parallel: this {type(module).__name__} already has a hyper_parallel "
-                f"wrapper ({type(existing).__name__}); wrap each module once and use that "
-                "wrapper (a second one would run the same layer outside its chain, with other "
-                "options). Drop the first wrapper, or undo apply_activation_memory with "
-                "remove_activation_memory(model), before wrapping it again.")
         self._checkpoint_wrapped_module = module
-        _wrapper_of[module] = weakref.ref(self)
         self._register_state_dict_hook(_strip_prefix_hook)
         self._register_load_state_dict_pre_hook(_add_prefix_hook, with_module=False)
 
@@ -69,9 +60,9 @@ class ActivationWrapper(nn.Module):
     def _hp_release(self) -> None:
         """Lets the wrapped module be wrapped again (this wrapper is being discarded)."""
         module = self._checkpoint_wrapped_module
-        ref = _wrapper_of.get(module)
+        ref = _swap_wrapper_of.get(module)
         if ref is not None and ref() is self:
-            del _wrapper_of[module]
+            del _swap_wrapper_of[module]
 
     def __getattr__(self, name):
         try:
@@ -150,7 +141,17 @@ class SwapWrapper(ActivationWrapper):
 
     def __init__(self, module: nn.Module, policy_fn=None, group_swap: bool = False) -> None:
         check_swap_policy(policy_fn)
+        existing = _swap_wrapper_of.get(module) if isinstance(module, nn.Module) else None
+        existing = existing() if existing is not None else None
+        if existing is not None:
+            raise ValueError(
+                f"hyper_parallel: this {type(module).__name__} already has a swap_wrapper; wrap "
+                "each module once and use that wrapper (a second one would swap the same layer "
+                "again, outside the first one's chain and with its own options). Drop the "
+                "first wrapper, or undo apply_activation_memory with "
+                "remove_activation_memory(model), before wrapping it again.")
         super().__init__(module)
+        _swap_wrapper_of[module] = weakref.ref(self)
         self._hp_policy_fn = policy_fn
         self._hp_group_swap = group_swap
 
@@ -187,8 +188,10 @@ def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False):
         The wrapper.
 
     Raises:
-        ValueError: when ``module_or_fn`` is already wrapped by hyper_parallel.
-        TypeError: when it is neither a module nor callable.
+        ValueError: when ``module_or_fn`` is already wrapped by hyper_parallel, or is a
+            module that already has a live ``swap_wrapper``.
+        TypeError: when it is neither a module nor callable, or when ``policy_fn`` cannot
+            be called as ``policy_fn(tensor)``.
     """
     if isinstance(module_or_fn, nn.Module):
         return SwapWrapper(module_or_fn, policy_fn=policy_fn, group_swap=group_swap)

@@ -184,6 +184,7 @@ def test_mistral_default_config_recompute_trains(built):
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_:FutureWarning")
 def test_hf_gradient_checkpointing_is_refused(built):
     model = copy.deepcopy(built["llama"])
     model.gradient_checkpointing_enable()
