@@ -30,6 +30,7 @@ Usage: PYTHONPATH=src python benchmarks/bench_swap.py [--rounds 15] [--quick]
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import torch
@@ -213,10 +214,12 @@ def step_time(args) -> dict:
                        args.seq)
     x = torch.randn(args.batch, args.seq, args.hidden, requires_grad=True)
     wrapped = [swap_wrapper(layer) for layer in model.layers]
-    fused = [swap_wrapper(layer, group_swap=True) for layer in model.layers]
+    # A module has one hyper_parallel wrapper at a time: the fused contender wraps copies
+    # of the layers (same weights).
+    fused = [swap_wrapper(copy.deepcopy(layer), group_swap=True) for layer in model.layers]
     _chain(wrapped)
     _chain(fused)
-    params = list(model.parameters())
+    params = list(model.parameters()) + [p for w in fused for p in w.parameters()]
 
     def step_of(call_layer, ctx=None):
         def step():

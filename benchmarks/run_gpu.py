@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import sys
@@ -93,12 +94,22 @@ class Device:
 
 
 # ---------------------------------------------------------------- contenders
-def build_contenders(model: LlamaStack, want: list[str]):
-    """name -> (call_layer or None, outer context factory or None). Ours share the layer
-    modules of ``model`` through wrappers; each strategy has its own wrappers and chain."""
-    layers = list(model.layers)
+_OURS = ("checkpoint", "selective", "selective_swap", "swap", "mixed")
+
+
+def build_contenders(model: LlamaStack, want: list[str], owned_params: list | None = None):
+    """name -> (call_layer or None, outer context factory or None). Each of our strategies
+    wraps its own copy of ``model``'s layers (same initial weights; a module has one
+    hyper_parallel wrapper at a time) with its own chain; their parameters are appended
+    to ``owned_params`` (the step clears their gradients as it does the model's)."""
     packets, overloads = keep_ops()
     manager = SwapManager()
+
+    def own_layers():
+        copies = [copy.deepcopy(m) for m in model.layers]
+        if owned_params is not None:
+            owned_params.extend(p for m in copies for p in m.parameters())
+        return copies
 
     def chain(wrapped):
         for a, b in zip(wrapped, wrapped[1:]):
@@ -111,6 +122,7 @@ def build_contenders(model: LlamaStack, want: list[str]):
     def make(name):
         if name == "none":
             return None, None
+        layers = own_layers() if name in _OURS else None
         if name == "checkpoint":
             return calls([checkpoint_wrapper(m) for m in layers]), None
         if name == "selective":
@@ -271,7 +283,8 @@ def main(argv=None) -> None:
     x = torch.randn(args.batch, args.seq, args.hidden, device=args.device, dtype=dtype,
                     requires_grad=True)
     params = list(model.parameters())
-    contenders = build_contenders(model, [c.strip() for c in args.contenders.split(",")])
+    contenders = build_contenders(model, [c.strip() for c in args.contenders.split(",")],
+                                  owned_params=params)
 
     def step_of(call_layer, ctx):
         def step():

@@ -18,7 +18,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from hyper_parallel.core.activation_checkpoint import (
     CheckpointPolicy,
     SwapManager,
-    checkpoint_wrapper,
+    apply_activation_memory,
+    remove_activation_memory,
 )
 
 MATMULS = [torch.ops.aten.mm, torch.ops.aten.addmm]
@@ -53,15 +54,14 @@ def main() -> None:
     reference = copy.deepcopy(base)
     ref_flops = backward_flops(reference, x)
     ok = True
-    for name, kwargs in (("full recompute", {}),
-                         ("save matmuls (op list, decided in C++)", {"policy_fn": MATMULS}),
-                         ("swap matmuls (MUST_SWAP)", {"policy_fn": swap_matmuls})):
+    # One call per plan: it finds the four blocks, wraps them (checkpoint_wrapper with the
+    # policy) and, when the plan swaps, registers the prefetch chain over them.
+    for name, plan, policy in (("full recompute", "checkpoint", None),
+                               ("save matmuls (op list, decided in C++)", "selective", MATMULS),
+                               ("swap matmuls (MUST_SWAP)", "selective_swap", swap_matmuls)):
         SwapManager().reset()
         model = copy.deepcopy(base)
-        for i in range(len(model)):
-            model[i] = checkpoint_wrapper(model[i], **kwargs)
-        for i in range(len(model) - 1):
-            SwapManager().set_forward_prefetch_layer(model[i], model[i + 1])
+        apply_activation_memory(model, plan, policy_fn=policy)
         flops = backward_flops(model, x)
         same = all(torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
                    for a, b in zip(reference.parameters(), model.parameters()))
@@ -69,7 +69,7 @@ def main() -> None:
         stats = SwapManager().stats()
         print(f"{name:<42} backward FLOPs {flops / ref_flops:5.2f}x of no-checkpoint, "
               f"offloaded {stats['offload_bytes'] / 2**10:7.1f} KiB, gradients equal: {same}")
-        SwapManager().unregister(model)
+        remove_activation_memory(model)
     if not ok:
         raise SystemExit(1)
 

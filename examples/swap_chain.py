@@ -1,4 +1,4 @@
-"""Swap every block of a small MLP stack to host memory, with the prefetch chain.
+"""Swap every block of a small MLP stack to host memory, with the prefetch chain, in one call.
 
 Runs on CPU (the CPU swap backend plays the copy stream) or on a GPU:
 
@@ -16,8 +16,8 @@ from torch import nn
 
 from hyper_parallel.core.activation_checkpoint import (
     SwapManager,
+    apply_activation_memory,
     saved_activation_memory,
-    swap_wrapper,
 )
 
 
@@ -33,10 +33,8 @@ def main() -> None:
     blocks = nn.Sequential(*[nn.Sequential(nn.LayerNorm(256), nn.Linear(256, 1024), nn.GELU(),
                                            nn.Linear(1024, 256)) for _ in range(6)]).to(device)
     swapped = copy.deepcopy(blocks)
-    for i in range(len(swapped)):
-        swapped[i] = swap_wrapper(swapped[i])
-    for i in range(len(swapped) - 1):
-        SwapManager().set_forward_prefetch_layer(swapped[i], swapped[i + 1])
+    # Finds the six blocks, wraps each in swap_wrapper and registers the prefetch chain.
+    print(apply_activation_memory(swapped, "swap"))
 
     x = torch.randn(64, 128, 256, device=device)
     with saved_activation_memory() as plain:

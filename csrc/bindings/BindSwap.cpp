@@ -138,7 +138,8 @@ class PackHook {
   // `shown` is what the error message describes, `data` what would be swapped.
   bool policy_swaps(const py::object& obj, const at::Tensor& shown, const at::Tensor& data) const {
     if (mode_ != PackMode::kSwapAll || policy_fn_.is_none()) return true;
-    if (check_eligible(data, engine().cpu_swap()) != Ineligible::kNone) return false;
+    // Ineligible: the policy is not asked; pack() skips (and counts) it.
+    if (check_eligible(data, engine().cpu_swap()) != Ineligible::kNone) return true;
     py::object result = policy_fn_(obj);
     auto policy = to_policy(result);
     HP_CHECK_VALUE(policy && (*policy == CheckpointPolicy::MUST_SAVE ||
@@ -147,7 +148,9 @@ class PackHook {
                    " for a saved tensor of shape ", shown.sizes(), " and dtype ",
                    shown.scalar_type(), "; a swap policy must return CheckpointPolicy.MUST_SAVE "
                    "(keep on device) or CheckpointPolicy.MUST_SWAP (offload).");
-    return *policy == CheckpointPolicy::MUST_SWAP;
+    if (*policy == CheckpointPolicy::MUST_SWAP) return true;
+    engine().count_skipped(engine().current_group(), data, SkipReason::kKeptByPolicy);
+    return false;
   }
 
   // Tensors with the Python dispatch key: a DTensor is swapped through its local tensor,
@@ -277,6 +280,17 @@ void bind_swap(py::module_& m) {
         }
         return out;
       })
+      .def_property_readonly("skipped", [](const SwapGroup& g) {
+        // reason -> (storages, bytes) of what this invocation did not offload at pack time.
+        py::dict d;
+        for (size_t i = 0; i < kNumSkipReasons; ++i) {
+          if (g.skipped_count[i] == 0) continue;
+          d[to_string(static_cast<SkipReason>(i))] = py::make_tuple(g.skipped_count[i],
+                                                                    g.skipped_bytes[i]);
+        }
+        return d;
+      })
+      .def_property_readonly("order_reversed", [](const SwapGroup& g) { return g.order_reversed; })
       .def_property_readonly("residencies", [](const SwapGroup& g) {
         std::vector<std::string> out;
         for (const auto& r : g.records()) out.emplace_back(to_string(r->state()));
@@ -438,6 +452,14 @@ void bind_swap(py::module_& m) {
     d["on_demand_reloads"] = s.on_demand_reloads;
     d["deferred_frees"] = s.deferred_frees;
     d["live_records"] = s.live_records;
+    py::dict skipped;  // reason -> {"count": storages, "bytes": bytes}; every reason listed
+    for (size_t i = 0; i < kNumSkipReasons; ++i) {
+      py::dict entry;
+      entry["count"] = s.skipped_count[i];
+      entry["bytes"] = s.skipped_bytes[i];
+      skipped[to_string(static_cast<SkipReason>(i))] = entry;
+    }
+    d["skipped"] = skipped;
     return d;
   });
 }

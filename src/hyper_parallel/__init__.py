@@ -4,10 +4,11 @@ Recompute (checkpoint, selective per-op policies), swap (offload saved activatio
 host memory with overlapped prefetch), or both, layer by layer. The public API lives in
 :mod:`hyper_parallel.core.activation_checkpoint`.
 
-The distributed entry points of PyTorch that the user guide composes with are
-re-exported here (``fully_shard``, ``init_device_mesh``, ``parallelize_module``,
-``ColwiseParallel``, ``RowwiseParallel``), with ``activation_trace`` (the swap timeline);
-they are imported lazily.
+Its whole-model entry points (``find_layers``, ``apply_activation_memory``,
+``remove_activation_memory``), ``activation_trace`` (the swap timeline) and the distributed
+entry points of PyTorch that the user guide composes with (``fully_shard``,
+``init_device_mesh``, ``parallelize_module``, ``ColwiseParallel``, ``RowwiseParallel``) are
+re-exported here; all are imported lazily.
 """
 
 __version__ = "0.1.0"
@@ -20,16 +21,17 @@ _TORCH_REEXPORTS = {
     "RowwiseParallel": "torch.distributed.tensor.parallel",
 }
 
-__all__ = ["__version__", "activation_trace", *_TORCH_REEXPORTS]
+_OWN_REEXPORTS = {
+    name: "hyper_parallel.core.activation_checkpoint"
+    for name in ("find_layers", "apply_activation_memory", "remove_activation_memory",
+                 "activation_trace")
+}
+
+__all__ = ["__version__", *_OWN_REEXPORTS, *_TORCH_REEXPORTS]
 
 
 def __getattr__(name):
-    if name == "activation_trace":  # the swap timeline (core.activation_checkpoint._trace)
-        from .core.activation_checkpoint import activation_trace
-
-        globals()[name] = activation_trace
-        return activation_trace
-    module = _TORCH_REEXPORTS.get(name)
+    module = _OWN_REEXPORTS.get(name) or _TORCH_REEXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hyper_parallel' has no attribute {name!r}")
     import importlib

@@ -32,6 +32,15 @@ if _DEVICE.split(":")[0] == "hpsim":
     hpsim.load()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_once_warnings(monkeypatch):
+    """Warnings the library gives once per process per cause are given again in each test."""
+    from hyper_parallel.core.activation_checkpoint import _apply, _diagnostics
+
+    monkeypatch.setattr(_diagnostics, "_warned", set())
+    monkeypatch.setattr(_apply, "_warned", set())
+
+
 def test_device() -> torch.device:
     """The device the swap tests run on: HP_TEST_DEVICE (default "cpu"; "hpsim" is the
     simulated accelerator of tests/sim)."""

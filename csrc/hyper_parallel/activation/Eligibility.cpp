@@ -23,6 +23,23 @@ const char* to_string(Ineligible reason) {
   return "unknown";
 }
 
+std::optional<SkipReason> skip_reason(Ineligible reason) {
+  switch (reason) {
+    case Ineligible::kNone:
+    case Ineligible::kUndefined: return std::nullopt;
+    case Ineligible::kNoStorage: return SkipReason::kNoStorage;
+    case Ineligible::kMetaOrFake: return SkipReason::kMetaOrFake;
+    case Ineligible::kSubclassOrFunctional: return SkipReason::kSubclassOrFunctional;
+    case Ineligible::kHostTensor: return SkipReason::kHostTensor;
+    case Ineligible::kUnsupportedDevice: return SkipReason::kUnsupportedDevice;
+    case Ineligible::kForeignStorage: return SkipReason::kForeignStorage;
+    case Ineligible::kCopyOnWrite: return SkipReason::kCopyOnWrite;
+    case Ineligible::kEmpty: return SkipReason::kEmptyStorage;
+    case Ineligible::kParameter: return SkipReason::kParameter;
+  }
+  return std::nullopt;
+}
+
 Ineligible check_eligible(const at::Tensor& t, bool cpu_swap) {
   if (!t.defined()) return Ineligible::kUndefined;
   const auto keys = t.key_set();

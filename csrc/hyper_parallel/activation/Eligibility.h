@@ -10,7 +10,11 @@
 //
 // Thread-safety: pure functions.
 
+#include "hyper_parallel/activation/SwapStats.h"
+
 #include <ATen/core/Tensor.h>
+
+#include <optional>
 
 namespace hyper_parallel::activation {
 
@@ -32,5 +36,9 @@ const char* to_string(Ineligible reason);
 
 // kNone when `t` may be swapped. `cpu_swap`: host tensors are swappable (test backend).
 Ineligible check_eligible(const at::Tensor& t, bool cpu_swap);
+
+// The statistics bucket of an ineligible tensor; nullopt for kNone and kUndefined (nothing
+// to count).
+std::optional<SkipReason> skip_reason(Ineligible reason);
 
 }  // namespace hyper_parallel::activation

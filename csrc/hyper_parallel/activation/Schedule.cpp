@@ -11,6 +11,11 @@ void Schedule::link(int64_t prev, int64_t next) {
   HP_CHECK_VALUE(prev >= 0 && next >= 0, "set_forward_prefetch_layer got an unregistered layer id");
   HP_CHECK_VALUE(prev != next, "set_forward_prefetch_layer(a, b) needs two different layers; "
                  "got the same layer twice");
+  for (int64_t at = next; at >= 0; at = successor(at)) {
+    HP_CHECK_VALUE(at != prev, "set_forward_prefetch_layer(a, b) would close a cycle: a already "
+                   "runs after b in the chain. The chain is the forward order of the layers; "
+                   "link each layer to the one that runs next (layers[i], layers[i + 1]) only.");
+  }
   // Replace earlier links so that each layer has at most one predecessor and successor.
   if (auto it = next_of_.find(prev); it != next_of_.end()) prev_of_.erase(it->second);
   if (auto it = prev_of_.find(next); it != prev_of_.end()) next_of_.erase(it->second);
@@ -60,6 +65,14 @@ void Schedule::on_begin(const std::shared_ptr<SwapGroup>& group) {
       }
       if (queue.empty()) unlinked_.erase(it2);  // no entry per (layer, thread) left behind
     }
+  }
+  if (has_predecessor(layer) && group->prev.expired()) group->orphan = true;
+  if (scheduled(layer)) {
+    auto& last = last_begun_[thread];
+    auto before = last.lock();
+    group->order_reversed = before && has_successor(layer) && before->orphan &&
+                            before->layer() == successor(layer);
+    last = group;
   }
   auto& mine = unlinked_[Key{layer, thread}];
   // Invocations of a layer without successor invocations (the last layer, a layer whose
@@ -132,6 +145,7 @@ void Schedule::clear() {
   next_of_.clear();
   prev_of_.clear();
   unlinked_.clear();
+  last_begun_.clear();
 }
 
 }  // namespace hyper_parallel::activation

@@ -10,6 +10,9 @@
 //    not been linked yet, on the same thread (L0a L0b L1a L1b links L1a-L0a, L1b-L0b), so micro-batches and repeated calls each get
 //    their own chain, and two threads running forwards of different micro-batches do not
 //    cross-link.
+//  * A link that would close a cycle is refused; an invocation that begins right after an
+//    invocation of its successor layer that found no predecessor (the forward runs
+//    against the chain) is flagged `order_reversed`, for a warning.
 //  * prefetch_targets(g, depth): the invocations whose reload starts when the backward
 //    of g begins: g itself (if a hole left it offloaded) and up to `depth` predecessors.
 //
@@ -30,6 +33,7 @@ class Schedule {
  public:
   int64_t new_layer() { return next_layer_id_++; }
   // Declares that `next` runs after `prev` in forward. Replaces earlier links of either.
+  // Throws c10::ValueError when the link would close a cycle (prev is reachable from next).
   void link(int64_t prev, int64_t next);
   // Forgets `layer` and its links.
   void remove_layer(int64_t layer);
@@ -67,6 +71,8 @@ class Schedule {
     }
   };
   std::unordered_map<Key, std::deque<std::weak_ptr<SwapGroup>>, KeyHash> unlinked_;
+  // Per thread: the invocation of a chained layer that began last.
+  std::unordered_map<std::thread::id, std::weak_ptr<SwapGroup>> last_begun_;
 };
 
 }  // namespace hyper_parallel::activation

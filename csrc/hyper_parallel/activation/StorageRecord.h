@@ -76,6 +76,10 @@ class StorageRecord {
   // holder's backward has begun, and no backward was handed the storage.
   bool may_leave_device() const;
 
+  // True once the record was offloaded, or counted as kept on device at a backward start
+  // (SwapStats skipped: kInUseElsewhere, kLastLayer): it is counted at most once.
+  bool settled = false;
+
   // Copy state (meaningful outside kDevice).
   std::shared_ptr<HostBlock> host;   // shared by the records of one fused bucket
   size_t host_offset = 0;

@@ -307,6 +307,7 @@ void SwapEngine::abandon_forward(const std::shared_ptr<SwapGroup>& group) {
 void SwapEngine::backward_begin(const std::shared_ptr<SwapGroup>& group) {
   std::lock_guard<std::mutex> lock(mu_);
   if (Trace::global().on()) Trace::global().backward_begin(trace_label(*group));
+  count_kept_locked(*group);
   for (const auto& g : schedule_.prefetch_targets(group, options_.prefetch_depth)) {
     g->backward_started = true;  // its records stay on device from now on
     load_group_locked(g);
@@ -350,9 +351,23 @@ std::shared_ptr<SavedHandle> SwapEngine::pack(const std::shared_ptr<SwapGroup>& 
   std::shared_ptr<StorageRecord> record;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (check_eligible(t, options_.cpu_swap) != Ineligible::kNone) return nullptr;
+    // Only a region that swaps everything counts what it skips: a registered-only region
+    // (plain chained module, checkpoint) never asked for the others.
+    const bool counts = mode == PackMode::kSwapAll;
+    const Ineligible why = check_eligible(t, options_.cpu_swap);
+    if (why != Ineligible::kNone) {
+      const auto reason = skip_reason(why);
+      if (counts && reason) {
+        count_skipped_locked(group.get(), t.storage().unsafeGetStorageImpl(),
+                             t.storage().nbytes(), *reason);
+      }
+      return nullptr;
+    }
     const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
-    if (group->excluded.count(key) != 0) return nullptr;
+    if (group->excluded.count(key) != 0) {
+      if (counts) count_skipped_locked(group.get(), key, t.storage().nbytes(), SkipReason::kBuffer);
+      return nullptr;
+    }
     if (mode == PackMode::kRegisteredOnly) {
       record = group->find(key);
       if (!record) return nullptr;
@@ -370,9 +385,19 @@ std::shared_ptr<SavedHandle> SwapEngine::pack(const std::shared_ptr<SwapGroup>& 
 bool SwapEngine::register_tensor(const std::shared_ptr<SwapGroup>& group, const at::Tensor& t) {
   if (!group) return false;
   std::lock_guard<std::mutex> lock(mu_);
-  if (check_eligible(t, options_.cpu_swap) != Ineligible::kNone) return false;
+  const Ineligible why = check_eligible(t, options_.cpu_swap);
+  if (why != Ineligible::kNone) {
+    if (const auto reason = skip_reason(why)) {
+      count_skipped_locked(group.get(), t.storage().unsafeGetStorageImpl(), t.storage().nbytes(),
+                           *reason);
+    }
+    return false;
+  }
   const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
-  if (group->excluded.count(key) != 0) return false;
+  if (group->excluded.count(key) != 0) {
+    count_skipped_locked(group.get(), key, t.storage().nbytes(), SkipReason::kBuffer);
+    return false;
+  }
   auto record = registry_.get_or_create(t.storage(), t.scalar_type());
   if (!group->holds(key)) {
     group->add(record);
@@ -380,6 +405,36 @@ bool SwapEngine::register_tensor(const std::shared_ptr<SwapGroup>& group, const 
   }
   group->registrations.push_back(std::make_shared<SavedHandle>(record, nullptr, t.tensor_data()));
   return true;
+}
+
+void SwapEngine::count_skipped(const std::shared_ptr<SwapGroup>& group, const at::Tensor& t,
+                               SkipReason reason) {
+  if (!t.defined() || !t.has_storage()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  count_skipped_locked(group.get(), t.storage().unsafeGetStorageImpl(), t.storage().nbytes(),
+                       reason);
+}
+
+void SwapEngine::count_skipped_locked(SwapGroup* group, const c10::StorageImpl* key,
+                                      size_t nbytes, SkipReason reason) {
+  if (group != nullptr) {
+    if (!group->skipped_keys.insert(key).second) return;  // this storage was counted already
+    group->skipped_bytes[static_cast<size_t>(reason)] += static_cast<int64_t>(nbytes);
+    group->skipped_count[static_cast<size_t>(reason)] += 1;
+  }
+  counters_->add_skipped(reason, static_cast<int64_t>(nbytes));
+}
+
+void SwapEngine::count_kept_locked(const SwapGroup& group) {
+  if (group.manual()) return;  // released only by the user's launch_offload
+  const bool last_layer = !group.released && !schedule_.releases_at_forward_end(group);
+  if (!group.released && !last_layer) return;
+  for (const auto& r : group.records()) {
+    if (r->state() != Residency::kDevice || r->settled) continue;
+    r->settled = true;
+    counters_->add_skipped(last_layer ? SkipReason::kLastLayer : SkipReason::kInUseElsewhere,
+                           static_cast<int64_t>(r->nbytes()));
+  }
 }
 
 at::Tensor SwapEngine::unpack(const SavedHandle& handle) {
@@ -450,9 +505,28 @@ void SwapEngine::check_resident(const StorageRecord& record, const at::Tensor& a
 
 // ---------------------------------------------------------------- release and reload
 
+namespace {
+// Whether `storage` has a Python storage object (made by t.untyped_storage() or t.storage())
+// that nothing in Python references any more. Such an object holds one strong reference
+// of the StorageImpl, and torch keeps it alive for as long as the StorageImpl has other
+// C++ references (PyObject preservation, c10/util/intrusive_ptr.h), so merely reading a
+// tensor's storage once, in a policy or anywhere, adds 1 to use_count() for the storage's
+// whole life. That reference is nobody's use when the Python object's refcount is 1 (only
+// the preservation holds it). Reading the refcount needs the GIL: every path that may
+// free a storage (end_forward, launch_offload) is entered from Python holding it; without
+// an interpreter (C++ tests, LibTorch) no storage has a Python object.
+bool has_idle_python_storage(const c10::Storage& storage) {
+  const c10::impl::PyObjectSlot* slot = storage.unsafeGetStorageImpl()->pyobj_slot();
+  return slot->load_pyobj() != nullptr && slot->has_unique_reference();
+}
+}  // namespace
+
 bool SwapEngine::in_use_elsewhere(const StorageRecord& record, const c10::Storage& storage) const {
-  // `storage` itself is one reference; every other one must be a handle of ours.
-  return static_cast<int64_t>(storage.use_count()) - 1 > record.alias_refs.load();
+  // `storage` itself is one reference, an idle Python storage object another; every other
+  // one must be a handle of ours.
+  int64_t others = static_cast<int64_t>(storage.use_count()) - 1;
+  if (has_idle_python_storage(storage)) others -= 1;
+  return others > record.alias_refs.load();
 }
 
 void SwapEngine::release_locked(const std::shared_ptr<SwapGroup>& group) {
@@ -574,6 +648,7 @@ void SwapEngine::offload_batch_locked(const std::vector<std::shared_ptr<StorageR
     const auto& r = records[i];
     released.push_back(free_in_place(storages[i]));
     r->transition(Residency::kOffloading);
+    r->settled = true;
     r->host = fused ? blocks.front() : blocks[i];
     r->host_offset = fused ? offset : 0;
     r->d2h_done = done;
@@ -802,6 +877,10 @@ SwapStats SwapEngine::stats() {
   s.on_demand_reloads = counters_->on_demand_reloads.load();
   s.deferred_frees = counters_->deferred_frees.load();
   s.stall_seconds = static_cast<double>(counters_->stall_nanoseconds.load()) * 1e-9;
+  for (size_t i = 0; i < kNumSkipReasons; ++i) {
+    s.skipped_bytes[i] = counters_->skipped_bytes[i].load();
+    s.skipped_count[i] = counters_->skipped_count[i].load();
+  }
   std::lock_guard<std::mutex> lock(mu_);
   for (auto* pool : {pageable_pool_.get(), pinned_pool_.get()}) {
     if (!pool) continue;

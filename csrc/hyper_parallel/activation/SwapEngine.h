@@ -129,6 +129,11 @@ class SwapEngine {
   // Registers `t`'s storage with `group` (swap_tensor_wrapper). Returns false when `t` is
   // not eligible.
   bool register_tensor(const std::shared_ptr<SwapGroup>& group, const at::Tensor& t);
+  // Counts `t`'s storage as not offloaded for `reason` in the statistics and in `group`
+  // (once per storage and group). pack() and register_tensor() count ineligible tensors
+  // themselves; callers use this for decisions made outside the engine (kKeptByPolicy).
+  void count_skipped(const std::shared_ptr<SwapGroup>& group, const at::Tensor& t,
+                     SkipReason reason);
   // Makes the handle's storage resident and returns its tensor. Throws c10::Error when the
   // tensor was modified in place after it was saved or registered (SPEC 4.7).
   at::Tensor unpack(const SavedHandle& handle);
@@ -182,6 +187,11 @@ class SwapEngine {
   bool in_use_elsewhere(const StorageRecord& record, const c10::Storage& storage) const;
   // Internal error unless the alias's storage is resident (SPEC 4.2).
   void check_resident(const StorageRecord& record, const at::Tensor& alias) const;
+  void count_skipped_locked(SwapGroup* group, const c10::StorageImpl* key, size_t nbytes,
+                            SkipReason reason);
+  // At the start of `group`'s backward: counts its records still on device (kept because
+  // still referenced elsewhere, or because it is the last layer of a chain).
+  void count_kept_locked(const SwapGroup& group);
 
   mutable std::mutex mu_;
   SwapEngineOptions options_;

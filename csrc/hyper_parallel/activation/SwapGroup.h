@@ -10,8 +10,10 @@
 // Thread-safety: guarded by the SwapEngine lock.
 
 #include "hyper_parallel/activation/StorageRecord.h"
+#include "hyper_parallel/activation/SwapStats.h"
 
 #include <atomic>
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -54,6 +56,12 @@ class SwapGroup {
   // hyper_parallel's own references. They do not point back to the group.
   std::vector<std::shared_ptr<SavedHandle>> registrations;
 
+  // Saved tensors of this invocation that were not offloaded, by reason (bytes and storages;
+  // each storage once). `skipped_keys` dedupes.
+  std::array<int64_t, kNumSkipReasons> skipped_bytes{};
+  std::array<int64_t, kNumSkipReasons> skipped_count{};
+  std::unordered_set<const c10::StorageImpl*> skipped_keys;
+
   bool forward_done = false;
   bool released = false;    // this invocation allows its records to leave the device
   bool aborted = false;     // forward raised
@@ -66,6 +74,12 @@ class SwapGroup {
   // region call on its thread. Atomic: set by a destructor without the engine lock.
   std::atomic<bool> abandoned{false};
   int64_t trace_forward_start_ns = 0;  // begin_forward time while a Trace records
+  // The layer has a predecessor in the chain, but no invocation of it ran before this one
+  // on this thread (the first layer run, or a forward order against the chain).
+  bool orphan = false;
+  // This invocation began right after an orphan invocation of its successor layer: the
+  // forward runs against the declared chain (Schedule::on_begin).
+  bool order_reversed = false;
   std::weak_ptr<SwapGroup> prev;  // invocation of the predecessor layer in the same pass
   std::weak_ptr<SwapGroup> next;
 

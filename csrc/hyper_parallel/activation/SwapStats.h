@@ -2,10 +2,35 @@
 // Counters of SPEC section 6. Updated with atomics so that destructors (which may run
 // on any thread, outside the engine lock) can adjust them.
 
+#include <array>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 
 namespace hyper_parallel::activation {
+
+// Why a saved tensor was not offloaded (SwapManager().stats()["skipped"]). Counted once per
+// storage and layer invocation at pack time (the first group of reasons) or at the start
+// of the invocation's backward (kInUseElsewhere, kLastLayer: the storage never left).
+enum class SkipReason : uint8_t {
+  kParameter = 0,          // a leaf that requires grad, or a view of one
+  kBuffer,                 // the region module's own buffer (or frozen parameter)
+  kHostTensor,             // already in host memory, CPU swap off
+  kForeignStorage,         // not resizable / no allocator / IPC (from_blob, DLPack)
+  kCopyOnWrite,            // copy-on-write storage
+  kEmptyStorage,           // 0 bytes
+  kNoStorage,              // sparse, nested, mkldnn
+  kMetaOrFake,             // meta or fake tensor
+  kSubclassOrFunctional,   // Python subclass (not a DTensor) or functional tensor
+  kUnsupportedDevice,      // a device without a registered backend
+  kKeptByPolicy,           // the swap policy_fn returned MUST_SAVE
+  kInUseElsewhere,         // released, but still referenced outside the engine at backward
+  kLastLayer,              // the last layer of a chain keeps its activations (SPEC 3)
+  kCount
+};
+constexpr size_t kNumSkipReasons = static_cast<size_t>(SkipReason::kCount);
+// Stable snake_case name of a reason ("parameter", "host_tensor", ...).
+const char* to_string(SkipReason reason);
 
 struct SwapStatsCounters {
   std::atomic<int64_t> offload_bytes{0};
@@ -19,6 +44,13 @@ struct SwapStatsCounters {
   std::atomic<int64_t> on_demand_reloads{0};    // reloads started by unpack (schedule hole)
   std::atomic<int64_t> stall_nanoseconds{0};    // host time spent waiting for a reload
   std::atomic<int64_t> deferred_frees{0};       // release attempts postponed: storage in use
+  std::array<std::atomic<int64_t>, kNumSkipReasons> skipped_bytes{};  // storage bytes
+  std::array<std::atomic<int64_t>, kNumSkipReasons> skipped_count{};  // storages
+
+  void add_skipped(SkipReason reason, int64_t nbytes) {
+    skipped_bytes[static_cast<size_t>(reason)] += nbytes;
+    skipped_count[static_cast<size_t>(reason)] += 1;
+  }
 
   void add_resident(int64_t delta) {
     const int64_t now = resident_bytes.fetch_add(delta) + delta;
@@ -31,6 +63,10 @@ struct SwapStatsCounters {
                     &transfers,
                     &on_demand_reloads, &stall_nanoseconds, &deferred_frees}) {
       c->store(0);
+    }
+    for (size_t i = 0; i < kNumSkipReasons; ++i) {
+      skipped_bytes[i].store(0);
+      skipped_count[i].store(0);
     }
     peak_resident_bytes.store(resident_bytes.load());
   }
@@ -45,6 +81,7 @@ struct SwapStats {
   int64_t fused_copies = 0, transfers = 0, on_demand_reloads = 0, deferred_frees = 0;
   double stall_seconds = 0.0;
   int64_t live_records = 0;
+  std::array<int64_t, kNumSkipReasons> skipped_bytes{}, skipped_count{};
 };
 
 }  // namespace hyper_parallel::activation

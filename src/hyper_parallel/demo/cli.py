@@ -1,4 +1,9 @@
-"""Command line of ``python -m hyper_parallel.demo``."""
+"""Command line of ``python -m hyper_parallel.demo``.
+
+Parsing the arguments imports nothing heavy: torch, transformers, rich and the compiled
+extension are imported once the arguments are known good, so ``--help`` and argument
+errors come back at once (and work before anything is built).
+"""
 
 from __future__ import annotations
 
@@ -62,8 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_device(text: str) -> torch.device:
+def resolve_device(text: str):
     """``auto`` means the current accelerator when torch sees one, else the CPU."""
+    import torch
+
     if text == "auto":
         if torch.accelerator.is_available():
             return torch.accelerator.current_accelerator()
@@ -114,15 +121,24 @@ def _validate(args: argparse.Namespace) -> None:
         raise SystemExit("hyper_parallel: --threads must be >= 1")
 
 
-def main(argv: list[str] | None = None, console: Console | None = None) -> list[dict]:
-    """Runs the demo; returns the JSON records (also written with ``--json``)."""
+def main(argv: list[str] | None = None, console=None) -> list[dict]:
+    """Runs the demo; returns the JSON records (also written with ``--json``).
+    ``console``: a ``rich.console.Console`` to print to (default: stdout)."""
     args = build_parser().parse_args(argv)
     _validate(args)
     try:
         names = parse_strategies(args.strategies)
     except ValueError as err:
         raise SystemExit(str(err)) from None
-    # transformers takes seconds to import: only once the arguments are known good.
+    # torch and transformers take seconds to import: only once the arguments are good.
+    import torch
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn)
+
+    from hyper_parallel.core.activation_checkpoint import SwapManager
+
+    from .data import load_corpus, make_batches, stdlib_dir
     from .model import build_config, initial_state
     from .report import build_records, render_table, write_json, write_plot
     from .train import train_strategy

@@ -146,8 +146,20 @@ def write_json(records: list[dict], path: str | Path) -> None:
 
 
 def write_plot(records: list[dict], path: str | Path, title: str) -> None:
-    """Writes a PNG: saved-activation peaks and offloaded bytes per strategy, step time
-    per strategy, loss curves, and each strategy's |loss - loss of none| per step."""
+    """Writes :func:`build_figure` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = build_figure(records, title)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def build_figure(records: list[dict], title: str):
+    """A matplotlib figure with four panels: the saved-activation peaks per strategy (each
+    bar labelled with its ratio to "none"), the bytes offloaded per step (traffic, on its
+    own axis), the median step time, and the loss curves (each legend entry with its
+    largest |loss - loss of none|)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -155,60 +167,54 @@ def write_plot(records: list[dict], path: str | Path, title: str) -> None:
 
     names = [r["strategy"] for r in records]
     x = list(range(len(names)))
+    base = next((r for r in records if r["strategy"] == "none"), None)
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
     fig.suptitle(title)
 
     ax = axes[0][0]
-    width = 0.27
-    series = [("peak saved (step)", "peak_saved_bytes"),
-              ("peak saved (layers)", "layers_peak_saved_bytes"),
-              ("offloaded / step", "offload_bytes")]
-    for i, (label, key) in enumerate(series):
+    width = 0.4
+    for i, (label, key) in enumerate((("peak saved (step)", "peak_saved_bytes"),
+                                      ("peak saved (layers)", "layers_peak_saved_bytes"))):
         vals = [(r[key] or 0) / MIB for r in records]
-        ax.bar([p + (i - 1) * width for p in x], vals, width, label=label)
+        bars = ax.bar([p + (i - 0.5) * width for p in x], vals, width, label=label)
+        ref = (base[key] or 0) / MIB if base is not None else 0
+        if ref:
+            ax.bar_label(bars, labels=[f"{v / ref:.2f}x" for v in vals], fontsize=7,
+                         padding=1)
     ax.set_xticks(x, names, rotation=20)
     ax.set_ylabel("MiB")
-    ax.set_title("saved-activation memory")
+    ax.set_title("saved-activation memory (labels: ratio to none)")
     ax.legend(fontsize=8)
 
     ax = axes[0][1]
+    bars = ax.bar(x, [(r["offload_bytes"] or 0) / MIB for r in records], color="tab:purple")
+    ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+    ax.set_xticks(x, names, rotation=20)
+    ax.set_ylabel("MiB per step")
+    ax.set_title("offloaded to host per step (D2H traffic)")
+
+    ax = axes[1][0]
     ax.bar(x, [r["step_seconds"] * 1e3 for r in records], color="tab:gray")
     ax.set_xticks(x, names, rotation=20)
     ax.set_ylabel("ms")
     ax.set_title("median step time")
 
-    ax = axes[1][0]
+    ax = axes[1][1]
     styles = ["-", "--", "-.", ":"]
     for i, r in enumerate(records):
+        label = r["strategy"]
+        if base is not None and r is not base:
+            diff = r.get("max_abs_loss_diff")
+            if diff is None:
+                diffs = [abs(a - b) for a, b in zip(r["losses"], base["losses"])]
+                diff = max(diffs) if diffs else None
+            if diff is not None:
+                label += f"  (max |dloss| {_diff(diff)})"
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], styles[i % len(styles)],
-                marker="o", markersize=3, label=r["strategy"], alpha=0.85)
+                marker="o", markersize=3, label=label, alpha=0.85)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title("training loss (same weights, same batches)")
+    ax.set_title("training loss (same weights, same batches; |dloss| vs none)")
     ax.legend(fontsize=8)
-
-    ax = axes[1][1]
-    base = next((r for r in records if r["strategy"] == "none"), None)
-    if base is not None:
-        for i, r in enumerate(records):
-            if r is base:
-                continue
-            diffs = [abs(a - b) for a, b in zip(r["losses"], base["losses"])]
-            ax.plot(range(1, len(diffs) + 1), diffs, styles[i % len(styles)], marker="o",
-                    markersize=3, label=r["strategy"])
-        ax.set_yscale("symlog", linthresh=1e-7)
-        ax.set_ylim(bottom=0, top=max(1e-5, ax.get_ylim()[1]))
-        equal = [r["strategy"] for r in records if r is not base and r["losses"] == base["losses"]]
-        if equal:
-            ax.text(0.02, 0.04, "bitwise equal to none: " + ", ".join(equal),
-                    transform=ax.transAxes, fontsize=8)
-        ax.set_title("|loss - loss of none| (0 = bitwise equal)")
-        ax.set_xlabel("step")
-        ax.legend(fontsize=8)
-    else:
-        ax.set_axis_off()
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
+    return fig

@@ -84,7 +84,7 @@ class _StackMeter:
     layer's recompute in backward calls the inner module and does not fire them.
     """
 
-    def __init__(self, layers: nn.ModuleList) -> None:
+    def __init__(self, layers: list[nn.Module]) -> None:
         self.enabled = False
         self.peak_bytes: int | None = None
         self._meter_ctx = None
@@ -92,7 +92,7 @@ class _StackMeter:
         self._tail_ctx = None
         self._handles = [
             layers[0].register_forward_pre_hook(self._open),
-            layers[len(layers) - 1].register_forward_hook(self._hide_tail),
+            layers[-1].register_forward_hook(self._hide_tail),
         ]
 
     def _open(self, module, args):
@@ -156,7 +156,7 @@ def train_strategy(
     """Trains a fresh model under strategy ``name`` for ``len(batches)`` steps.
 
     Args:
-        name: a key of :data:`~hyper_parallel.demo.strategies.STRATEGIES`.
+        name: one of :data:`~hyper_parallel.demo.strategies.STRATEGIES`.
         config: the LlamaConfig.
         state: the initial state dict (the same for every strategy).
         batches: token batches, each ``(batch, seq_len)``; labels are the inputs (the
@@ -173,10 +173,10 @@ def train_strategy(
     manager = SwapManager()
     manager.reset()
     model = fresh_model(config, state, device)
-    strategy = apply_strategy(model, name)
+    strategy, report = apply_strategy(model, name)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    stack_meter = _StackMeter(model.model.layers)
+    stack_meter = _StackMeter([model.get_submodule(e.name) for e in report.layers])
 
     losses: list[float] = []
     times: list[float] = []

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace hyper_parallel::activation {
@@ -290,6 +291,50 @@ TEST(ScheduleTest, ClearForgetsLinksAndInvocations) {
   EXPECT_EQ(g1->prev.lock(), nullptr);  // g0 predates clear()
   // Layer ids keep growing after clear(): no id is handed out twice.
   EXPECT_GT(c.s.new_layer(), c.l2);
+}
+
+
+TEST(ScheduleTest, LinkClosingACycleIsRefused) {
+  Chain c;
+  try {
+    c.s.link(c.l2, c.l0);
+    FAIL() << "a cycle was accepted";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("would close a cycle"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(c.s.link(c.l1, c.l0), c10::ValueError);
+  // Refused links change nothing.
+  EXPECT_EQ(c.s.successor(c.l2), -1);
+  EXPECT_EQ(c.s.predecessor(c.l0), -1);
+  EXPECT_EQ(c.s.successor(c.l0), c.l1);
+  // Re-linking along the chain's direction is fine (it replaces links, no cycle).
+  EXPECT_NO_THROW(c.s.link(c.l0, c.l2));
+  EXPECT_EQ(c.s.successor(c.l0), c.l2);
+}
+
+TEST(ScheduleTest, ForwardAgainstTheChainIsFlagged) {
+  Chain c;
+  // Reverse order: l2 runs first (it finds no l1 invocation), then l1, then l0.
+  auto g2 = make_group(0, c.l2), g1 = make_group(1, c.l1), g0 = make_group(2, c.l0);
+  c.s.on_begin(g2);
+  c.s.on_begin(g1);
+  c.s.on_begin(g0);
+  EXPECT_TRUE(g2->orphan);
+  EXPECT_FALSE(g2->order_reversed);
+  EXPECT_TRUE(g1->order_reversed);
+  EXPECT_TRUE(g0->order_reversed);
+  // In order, twice (the second pass starts right after the first pass's last layer):
+  // never flagged.
+  Chain d;
+  std::vector<std::shared_ptr<SwapGroup>> keep;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int64_t layer : {d.l0, d.l1, d.l2}) {
+      keep.push_back(make_group(static_cast<int64_t>(keep.size()), layer));
+      d.s.on_begin(keep.back());
+      EXPECT_FALSE(keep.back()->order_reversed) << pass << " " << layer;
+      EXPECT_FALSE(keep.back()->orphan) << pass << " " << layer;
+    }
+  }
 }
 
 }  // namespace

@@ -912,5 +912,79 @@ TEST(SwapEngineTest, TwoThreadsDriveTheEngineConcurrently) {
   EXPECT_EQ(s.resident_bytes, 0);
 }
 
+
+// ------------------------------------------------------------------ what was not offloaded
+
+int64_t skipped_bytes(const SwapStats& s, SkipReason r) {
+  return s.skipped_bytes[static_cast<size_t>(r)];
+}
+int64_t skipped_count(const SwapStats& s, SkipReason r) {
+  return s.skipped_count[static_cast<size_t>(r)];
+}
+
+TEST(SwapEngineTest, SkippedTensorsAreCountedByReasonOncePerStorage) {
+  SwapEngine engine(SwapEngineOptions{});  // CPU swap off: host tensors are not swapped
+  auto layers = make_chain(engine, 2);
+  auto g = begin(engine, layers[0]);
+  at::Tensor host = at::randn({10});
+  at::Tensor weight = at::randn({4, 4}).requires_grad_(true);
+  at::Tensor buffer = at::randn({3});
+  g->excluded.insert(buffer.storage().unsafeGetStorageImpl());
+  EXPECT_EQ(pack(engine, g, host), nullptr);
+  EXPECT_EQ(pack(engine, g, host.narrow(0, 2, 3)), nullptr);  // same storage: counted once
+  engine.set_cpu_swap(true);
+  EXPECT_EQ(pack(engine, g, weight), nullptr);
+  EXPECT_EQ(pack(engine, g, weight.t()), nullptr);  // a view of it: the same storage
+  EXPECT_EQ(pack(engine, g, buffer), nullptr);
+  // A registered-only region never asked for the others: nothing counted.
+  at::Tensor other = at::randn({5}).requires_grad_(true);
+  EXPECT_EQ(engine.pack(g, other, PackMode::kRegisteredOnly), nullptr);
+  engine.end_forward(g);
+  const auto s = engine.stats();
+  EXPECT_EQ(skipped_count(s, SkipReason::kHostTensor), 1);
+  EXPECT_EQ(skipped_bytes(s, SkipReason::kHostTensor), 40);
+  EXPECT_EQ(skipped_count(s, SkipReason::kParameter), 1);
+  EXPECT_EQ(skipped_bytes(s, SkipReason::kParameter), 64);
+  EXPECT_EQ(skipped_count(s, SkipReason::kBuffer), 1);
+  EXPECT_EQ(skipped_bytes(s, SkipReason::kBuffer), 12);
+  EXPECT_EQ(g->skipped_count[static_cast<size_t>(SkipReason::kHostTensor)], 1);
+  EXPECT_EQ(g->skipped_bytes[static_cast<size_t>(SkipReason::kBuffer)], 12);
+  // A second invocation counts its own skips again; reset clears the counters.
+  auto g2 = begin(engine, layers[1]);
+  engine.count_skipped(g2, buffer, SkipReason::kKeptByPolicy);
+  engine.end_forward(g2);
+  EXPECT_EQ(skipped_bytes(engine.stats(), SkipReason::kKeptByPolicy), 12);
+  engine.reset(false);
+  EXPECT_EQ(skipped_count(engine.stats(), SkipReason::kParameter), 0);
+  EXPECT_STREQ(to_string(SkipReason::kInUseElsewhere), "in_use_elsewhere");
+}
+
+TEST(SwapEngineTest, KeptOnDeviceIsCountedAtBackwardStart) {
+  SwapEngine engine(cpu_options(0.0));
+  auto layers = make_chain(engine, 2);
+  at::Tensor kept = at::randn({25});  // still referenced outside the engine
+  at::Tensor freed = at::randn({8});
+  auto g0 = begin(engine, layers[0]);
+  auto hk = pack(engine, g0, kept);
+  auto hf = pack(engine, g0, freed);
+  freed.reset();
+  engine.end_forward(g0);
+  auto g1 = begin(engine, layers[1]);  // the last layer keeps its own storages
+  at::Tensor last = at::randn({6});
+  auto hl = pack(engine, g1, last);
+  last.reset();
+  engine.end_forward(g1);
+  engine.backward_begin(g1);
+  engine.backward_begin(g1);  // a second start counts nothing again
+  engine.backward_begin(g0);
+  const auto s = engine.stats();
+  EXPECT_EQ(skipped_count(s, SkipReason::kLastLayer), 1);
+  EXPECT_EQ(skipped_bytes(s, SkipReason::kLastLayer), 24);
+  EXPECT_EQ(skipped_count(s, SkipReason::kInUseElsewhere), 1);
+  EXPECT_EQ(skipped_bytes(s, SkipReason::kInUseElsewhere), 100);
+  EXPECT_EQ(s.offload_bytes, 32);  // the freed one left and is not counted as kept
+  engine.unpack(*hf);
+}
+
 }  // namespace
 }  // namespace hyper_parallel::activation

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from hyper_parallel.core.activation_checkpoint import STRATEGIES as LIBRARY_STRATEGIES
 from hyper_parallel.core.activation_checkpoint import SwapManager
 from hyper_parallel.demo import STRATEGIES, main
 from hyper_parallel.demo.data import load_corpus, make_batches
@@ -165,3 +166,48 @@ def test_module_entry_point_help():
     for flag in ("--layers", "--hidden", "--heads", "--seq-len", "--batch", "--steps",
                  "--device", "--strategies", "--seed", "--json", "--plot"):
         assert flag in res.stdout
+
+
+def test_demo_strategies_are_the_library_ones():
+    assert tuple(STRATEGIES) == tuple(LIBRARY_STRATEGIES)
+
+
+def test_plot_panels_label_ratios_traffic_and_dloss(tiny):
+    import matplotlib.pyplot as plt
+
+    from hyper_parallel.demo.report import build_figure
+
+    records = list(tiny["records"].values())
+    fig = build_figure(records, "t")
+    try:
+        memory, traffic, _, loss = fig.axes
+        ratios = [t.get_text() for t in memory.texts]
+        assert "1.00x" in ratios and any(r != "1.00x" for r in ratios)  # none, and others
+        assert "offloaded" in traffic.get_title() and memory.get_legend() is not None
+        assert all("offload" not in t.get_text() for t in memory.get_legend().get_texts())
+        legend = [t.get_text() for t in loss.get_legend().get_texts()]
+        assert legend[0] == "none" and all("max |dloss|" in t for t in legend[1:])
+    finally:
+        plt.close(fig)
+
+
+def test_help_imports_nothing_heavy_and_needs_no_build(tmp_path):
+    """--help answers before torch, transformers or the extension are imported, and
+    scripts/demo.sh --help does not run the setup (no build before argument parsing)."""
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    probe = ("import sys\nfrom hyper_parallel.demo.cli import main\ntry:\n    main(['--help'])\n"
+             "except SystemExit:\n    pass\nheavy = [m for m in ('torch', 'transformers', 'rich', "
+             "'hyper_parallel._C') if m in sys.modules]\nprint('HEAVY', heavy)\n")
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         cwd=root, env=env, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "HEAVY []" in res.stdout and "--strategies" in res.stdout
+    # demo.sh must not reach setup.sh: point the build at a directory that cannot exist.
+    res = subprocess.run(["bash", str(root / "scripts" / "demo.sh"), "--help"],
+                         capture_output=True, text=True, timeout=60,
+                         env={**env, "HP_BUILD_DIR": str(tmp_path / "no" / "build"),
+                              "PYTHON": sys.executable})
+    assert res.returncode == 0, res.stderr
+    assert "--layers" in res.stdout and "[setup]" not in res.stderr
+    assert not (tmp_path / "no").exists()

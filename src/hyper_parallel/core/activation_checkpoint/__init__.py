@@ -2,10 +2,20 @@
 
 Recompute (``checkpoint``, ``checkpoint_sequential``, ``checkpoint_wrapper``, per-op
 ``CheckpointPolicy``, ``create_selective_checkpoint_contexts`` for torch's checkpoint), swap
-(``swap``, ``swap_wrapper``, ``swap_tensor_wrapper``, ``SwapManager``) or both.
+(``swap``, ``swap_wrapper``, ``swap_tensor_wrapper``, ``SwapManager``) or both, whole models
+in one call (``find_layers``, ``apply_activation_memory``, ``remove_activation_memory``),
+and the swap timeline (``activation_trace``).
 """
 
+from ._apply import (
+    STRATEGIES,
+    ActivationMemoryReport,
+    LayerPlan,
+    apply_activation_memory,
+    remove_activation_memory,
+)
 from ._checkpoint import CheckpointWrapper, checkpoint, checkpoint_sequential, checkpoint_wrapper
+from ._layers import find_layers
 from ._memory import SavedActivationMeter, saved_activation_memory
 from ._policy import CheckpointPolicy
 from ._selective import SelectiveCheckpointContext, create_selective_checkpoint_contexts
@@ -16,17 +26,23 @@ from ._wrappers import SwapWrapper, swap_wrapper
 
 __all__ = [
     "ActivationTrace",
+    "STRATEGIES",
+    "ActivationMemoryReport",
     "CheckpointPolicy",
     "CheckpointWrapper",
+    "LayerPlan",
     "SavedActivationMeter",
     "SelectiveCheckpointContext",
     "SwapManager",
     "SwapWrapper",
     "activation_trace",
+    "apply_activation_memory",
     "checkpoint",
     "checkpoint_sequential",
     "checkpoint_wrapper",
     "create_selective_checkpoint_contexts",
+    "find_layers",
+    "remove_activation_memory",
     "saved_activation_memory",
     "swap",
     "swap_tensor_wrapper",

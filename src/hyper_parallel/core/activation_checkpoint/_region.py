@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from hyper_parallel._extension import _C
 
+from ._diagnostics import after_forward
 from ._memory import sample_active_meter
 
 SWAP_ALL = _C.PackMode.SWAP_ALL
@@ -107,6 +108,7 @@ class Region:
         unscheduled = _C.region_exit(self._token, ok)
         if ok and not self._token.joined:
             sample_active_meter()
+            after_forward(self.group, self._name)
         if unscheduled:
             self._warn_unscheduled()
         return False

@@ -41,6 +41,7 @@ from ._collectives import FUNCTIONAL_NAMESPACES, Collectives, is_collective
 from ._external import ExternalTensors
 from ._policy import CheckpointPolicy, to_policy
 from ._region import Region, in_backward
+from ._policy_signature import check_checkpoint_policy
 
 _RECOMPUTE = _C.SAC_RECOMPUTE
 _MUST_SAVE = CheckpointPolicy.MUST_SAVE
@@ -551,7 +552,8 @@ def compile_policy(policy_fn) -> SelectivePolicy | None:
     Raises:
         ValueError: for an entry that is not an op, names no registered op or overload,
             or maps to something that is not a policy.
-        TypeError: for any other ``policy_fn``.
+        TypeError: for any other ``policy_fn``, or a callable that cannot be called as
+            ``policy_fn(ctx, op, ...)`` (a per-tensor swap policy, say).
     """
     if policy_fn is None or isinstance(policy_fn, SelectivePolicy):
         return policy_fn
@@ -573,7 +575,7 @@ def compile_policy(policy_fn) -> SelectivePolicy | None:
             table.set(_op_names(item, "policy_fn list"), _MUST_SAVE)
         return SelectivePolicy(table=table)
     if callable(policy_fn):
-        return SelectivePolicy(fn=policy_fn)
+        return SelectivePolicy(fn=check_checkpoint_policy(policy_fn))
     raise TypeError(
         f"hyper_parallel: policy_fn must be a callable policy_fn(ctx, op, *args, **kwargs), a "
         f"list of ops to save, or a dict op -> CheckpointPolicy; got "

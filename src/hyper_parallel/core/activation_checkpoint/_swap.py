@@ -11,6 +11,7 @@ from hyper_parallel._extension import _C
 
 from . import _compile
 from ._backends import backend_for
+from ._policy_signature import check_swap_policy
 from ._region import SWAP_ALL, Region, in_backward, in_checkpoint_forward
 from ._swap_manager import SwapManager, layer_node
 
@@ -90,6 +91,8 @@ def swap(function, *args, policy_fn=None, group_swap=False, **kwargs):
 
     Raises:
         ValueError: when ``policy_fn`` returns anything but MUST_SAVE / MUST_SWAP.
+        TypeError: when ``policy_fn`` cannot be called as ``policy_fn(tensor)`` (a
+            checkpoint policy ``(ctx, op, ...)`` given to swap, say).
     """
     backend = backend_for(function, args=args, kwargs=kwargs)
     if backend is not None:  # a MindSpore Cell or tensors (docs/design.md, "Backends")
@@ -108,6 +111,7 @@ def swap_region(function, policy_fn=None, group_swap=False) -> Region | None:
     """The (not yet entered) swap region of one call of ``function``, or ``None`` when
     the call runs plainly: in recompute or without grad."""
     SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP on first use
+    check_swap_policy(policy_fn)
     if in_backward() or not torch.is_grad_enabled():
         return None
     node, name, excluded = resolve_layer(function)

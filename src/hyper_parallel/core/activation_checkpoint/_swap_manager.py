@@ -234,7 +234,8 @@ class SwapManager:
                 ``mindspore.nn.Cell`` s (wrapped or not).
 
         Raises:
-            ValueError: when ``first is second``.
+            ValueError: when ``first is second``, or when the link would close a cycle
+                (``first`` already runs after ``second``).
         """
         if first is second:
             raise ValueError("hyper_parallel: set_forward_prefetch_layer(a, b) needs two "
@@ -256,12 +257,12 @@ class SwapManager:
             raise ValueError("hyper_parallel: set_forward_prefetch_layer(a, b) got a wrapper and "
                              "the module it wraps; register the wrapped layers (model.layers[i]) "
                              "only")
+        _C.link_layers(a.layer_id, b.layer_id)  # refuses a cycle before anything changes
         for old, new, what in ((a.next, b, "successor"), (b.prev, a, "predecessor")):
             if old is not None and old is not new:
                 warnings.warn(f"hyper_parallel: set_forward_prefetch_layer replaces the {what} "
                               f"of layer '{(a if what == 'successor' else b).name}' (a layer has "
                               "one predecessor and one successor in the chain)", stacklevel=2)
-        _C.link_layers(a.layer_id, b.layer_id)
         a.next, b.prev = b, a
         install = backend.install_layer_hooks if backend is not None else \
             self._install_module_hooks

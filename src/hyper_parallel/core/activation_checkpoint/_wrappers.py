@@ -14,16 +14,24 @@ names starting with ``_`` and names the wrapped module lacks stay on the wrapper
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch import nn
 
 from . import _compile
 from ._backends import wrapper_dispatch
+from ._policy_signature import check_swap_policy
 from ._swap import LayerCall, in_backward, swap
 
 _PREFIX = "_checkpoint_wrapped_module"
 _PREFIX_DOT = _PREFIX + "."
+
+# Module -> its live swap wrapper. One swap_wrapper per module at a time: two would each
+# open a swap region for the same layer, at most one of them in the chain, each with its
+# own options. (Several checkpoint wrappers of one module are harmless: benchmarks compare
+# policies on shared weights that way.)
+_swap_wrapper_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _strip(name: str) -> str:
@@ -49,6 +57,13 @@ class ActivationWrapper(nn.Module):
     @property
     def _hp_wrapped(self) -> nn.Module:
         return self._checkpoint_wrapped_module
+
+    def _hp_release(self) -> None:
+        """Lets the wrapped module be wrapped again (this wrapper is being discarded)."""
+        module = self._checkpoint_wrapped_module
+        ref = _swap_wrapper_of.get(module)
+        if ref is not None and ref() is self:
+            del _swap_wrapper_of[module]
 
     def __getattr__(self, name):
         try:
@@ -126,7 +141,18 @@ class SwapWrapper(ActivationWrapper):
     """Every call of the wrapped module is a :func:`swap` call (see :func:`swap_wrapper`)."""
 
     def __init__(self, module: nn.Module, policy_fn=None, group_swap: bool = False) -> None:
+        check_swap_policy(policy_fn)
+        existing = _swap_wrapper_of.get(module) if isinstance(module, nn.Module) else None
+        existing = existing() if existing is not None else None
+        if existing is not None:
+            raise ValueError(
+                f"hyper_parallel: this {type(module).__name__} already has a swap_wrapper; wrap "
+                "each module once and use that wrapper (a second one would swap the same layer "
+                "again, outside the first one's chain and with its own options). Drop the "
+                "first wrapper, or undo apply_activation_memory with "
+                "remove_activation_memory(model), before wrapping it again.")
         super().__init__(module)
+        _swap_wrapper_of[module] = weakref.ref(self)
         self._hp_policy_fn = policy_fn
         self._hp_group_swap = group_swap
 
@@ -164,8 +190,10 @@ def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False):
         The wrapper.
 
     Raises:
-        ValueError: when ``module_or_fn`` is already wrapped by hyper_parallel.
-        TypeError: when it is neither a module nor callable.
+        ValueError: when ``module_or_fn`` is already wrapped by hyper_parallel, or is a
+            module that already has a live ``swap_wrapper``.
+        TypeError: when it is neither a module nor callable, or when ``policy_fn`` cannot
+            be called as ``policy_fn(tensor)``.
     """
     other = wrapper_dispatch(module_or_fn, "swap_wrapper",
                              dict(policy_fn=policy_fn, group_swap=group_swap), swap_wrapper)
@@ -177,6 +205,7 @@ def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False):
         raise TypeError(f"hyper_parallel: swap_wrapper expects an nn.Module or a callable, "
                         f"got {type(module_or_fn).__name__}")
     _refuse_double_wrap(module_or_fn)
+    check_swap_policy(policy_fn)
 
     @functools.wraps(module_or_fn)
     def wrapped(*args, **kwargs):

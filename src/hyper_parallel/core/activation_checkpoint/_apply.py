@@ -1,0 +1,442 @@
+"""Whole models in one call: ``apply_activation_memory`` / ``remove_activation_memory``.
+
+The per-layer strategies (the demo's names and meanings) are built from the public
+wrappers: ``checkpoint_wrapper`` (full, or with an op policy) and ``swap_wrapper``; the
+layers go into one prefetch chain (``SwapManager().set_forward_prefetch_layer``) in
+forward order whenever any of them swaps. What was applied is kept on the model (outside
+its parameters, buffers and state dict), so that applying again replaces it and removing
+it gives back the original modules, chain links and ``use_cache`` setting.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from ._checkpoint import checkpoint_wrapper
+from ._layers import LayerSlot, resolve_layer_slots, unwrapped
+from ._policy import CheckpointPolicy
+from ._policy_signature import check_swap_policy, is_per_tensor_policy
+from ._selective import compile_policy
+from ._swap_manager import SwapManager
+from ._wrappers import swap_wrapper
+
+#: Matrix-multiply ops whose outputs "selective" keeps and "selective_swap" offloads. A
+#: Linear without bias reaches the dispatcher as ``aten.mm``, with bias as ``aten.addmm``;
+#: eager attention's two products are ``aten.bmm``/``aten.baddbmm``.
+MATMUL_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm,
+              torch.ops.aten.baddbmm)
+_MATMUL_NAMES = frozenset(f"{packet}.default" for packet in MATMUL_OPS)
+
+
+def swap_matmuls_policy(ctx, op, *args, **kwargs):
+    """The op policy of "selective_swap": offload matmul outputs to the host, recompute
+    the rest. ``str(op)`` is the overload's name, e.g. ``"aten.mm.default"``."""
+    if str(op) in _MATMUL_NAMES:
+        return CheckpointPolicy.MUST_SWAP
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to treat a layer's saved activations.
+
+    Attributes:
+        name: the plan's name for it.
+        description: one line for tables and ``--help``.
+        recomputes: the layer runs its forward again in backward.
+        swaps: the layer offloads saved tensors to host memory (needs the chain).
+    """
+
+    name: str
+    description: str
+    recomputes: bool
+    swaps: bool
+
+
+#: The strategies a plan may name. "mixed" is a whole-model plan (even layers
+#: "checkpoint", odd layers "swap"), not a per-layer strategy.
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("none", "every activation saved on the device", False, False),
+    Strategy("checkpoint", "checkpoint_wrapper on every layer (full recompute)", True, False),
+    Strategy("selective", "checkpoint_wrapper, policy_fn=[mm, addmm, bmm, baddbmm] saved",
+             True, False),
+    Strategy("swap", "swap_wrapper on every layer + prefetch chain", False, True),
+    Strategy("mixed", "even layers checkpoint, odd layers swap + chain", True, True),
+    Strategy("selective_swap", "checkpoint_wrapper, MUST_SWAP for matmul outputs + chain",
+             True, True),
+)}
+_PER_LAYER = tuple(n for n in STRATEGIES if n != "mixed")
+
+
+@runtime_checkable
+class LayerPlan(Protocol):
+    """What a planner hands to :func:`apply_activation_memory`: any object with a
+    ``strategies`` attribute holding a plan in one of the plain forms (typically a dict
+    from fully qualified layer name to strategy name)."""
+
+    strategies: Any
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    """One row of an :class:`ActivationMemoryReport`."""
+
+    name: str
+    strategy: str
+    wrapper: str  # class of the wrapper ("-" for "none")
+
+
+@dataclass(frozen=True)
+class ActivationMemoryReport:
+    """What :func:`apply_activation_memory` did; ``str()`` prints it as a table.
+
+    Attributes:
+        layers: one entry per layer, in forward order.
+        chained: whether the layers were registered as one prefetch chain.
+        use_cache_disabled: whether ``config.use_cache`` was turned off.
+    """
+
+    layers: tuple[LayerEntry, ...]
+    chained: bool
+    use_cache_disabled: bool
+
+    def strategies(self) -> dict[str, str]:
+        """Layer name -> strategy (a plan :func:`apply_activation_memory` accepts)."""
+        return {e.name: e.strategy for e in self.layers}
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __str__(self) -> str:
+        rows = [("layer", "strategy", "wrapper")] + [(e.name, e.strategy, e.wrapper)
+                                                     for e in self.layers]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        counts: dict[str, int] = {}
+        for e in self.layers:
+            counts[e.strategy] = counts.get(e.strategy, 0) + 1
+        summary = ", ".join(f"{n} {name}" for name, n in counts.items())
+        chain = (f"prefetch chain over all {len(self.layers)} layers, in this order"
+                 if self.chained else "no prefetch chain (no layer swaps)")
+        lines.append(f"{summary}; {chain}")
+        if self.use_cache_disabled:
+            lines.append("config.use_cache turned off (recompute would append to the KV cache "
+                         "twice)")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Applied:
+    """Kept on the model: what to undo."""
+
+    slots: list[LayerSlot]
+    originals: list[nn.Module]
+    chained: list[nn.Module]          # the objects registered in the chain, in order
+    use_cache: list[Any]              # configs whose use_cache was turned off
+    report: ActivationMemoryReport
+
+
+_STATE = "_hp_activation_memory"
+_warned: set[str] = set()
+
+
+def _warn_once(cause: str, message: str) -> None:
+    if cause not in _warned:
+        _warned.add(cause)
+        warnings.warn(message, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------- plans
+def _plan_strategies(plan, slots: list[LayerSlot]) -> list[str]:
+    """One strategy name per slot."""
+    if isinstance(plan, LayerPlan) and not isinstance(plan, (str, Mapping, Sequence)):
+        plan = plan.strategies
+    n = len(slots)
+    if isinstance(plan, str):
+        if plan == "mixed":
+            return ["checkpoint" if i % 2 == 0 else "swap" for i in range(n)]
+        return [_check_name(plan, "plan")] * n
+    if isinstance(plan, Mapping):
+        names = {s.name: i for i, s in enumerate(slots)}
+        out = ["none"] * n
+        for key, value in plan.items():
+            if isinstance(key, bool) or not isinstance(key, (int, str)):
+                raise TypeError(f"hyper_parallel: plan keys are layer indices or names; got "
+                                f"{key!r}")
+            if isinstance(key, int):
+                if not -n <= key < n:
+                    raise ValueError(f"hyper_parallel: plan names layer index {key}, but there "
+                                     f"are {n} layers (find_layers(model) lists them)")
+                index = key % n
+            else:
+                if key not in names:
+                    raise ValueError(
+                        f"hyper_parallel: plan names layer {key!r}, which is not one of the "
+                        f"{n} layers ({slots[0].name} ... {slots[-1].name}); keys are indices "
+                        "or names as find_layers(model) gives them")
+                index = names[key]
+            out[index] = _check_name(value, f"plan[{key!r}]")
+        return out
+    if isinstance(plan, Sequence):
+        if len(plan) != n:
+            raise ValueError(f"hyper_parallel: the plan lists {len(plan)} strategies for {n} "
+                             f"layers ({slots[0].name} ... {slots[-1].name}); give one per layer "
+                             "or a dict {index or name: strategy}")
+        return [_check_name(v, f"plan[{i}]") for i, v in enumerate(plan)]
+    raise TypeError("hyper_parallel: plan must be a strategy name, a list (one per layer), a "
+                    "dict {layer index or name: strategy}, or an object with a .strategies "
+                    f"attribute holding one of those; got {type(plan).__name__}")
+
+
+def _check_name(value, what: str) -> str:
+    if value == "mixed" and what != "plan":
+        raise ValueError(f"hyper_parallel: {what} is 'mixed', a whole-model plan (even layers "
+                         "checkpoint, odd layers swap); per layer use 'checkpoint' or 'swap'")
+    if not isinstance(value, str) or value not in STRATEGIES:
+        raise ValueError(f"hyper_parallel: {what} is {value!r}, not a strategy; choose from "
+                         f"{', '.join(STRATEGIES)}")
+    return value
+
+
+# ---------------------------------------------------------------------------- policies
+def _split_policy(policy_fn, strategies: list[str]):
+    """(op policy for checkpoint layers, per-tensor policy for swap layers)."""
+    if policy_fn is None:
+        return None, None
+    if is_per_tensor_policy(policy_fn):
+        if "swap" not in strategies:
+            raise ValueError(
+                "hyper_parallel: policy_fn takes one argument, a per-tensor swap policy, but no "
+                "layer of the plan is 'swap'; the selective strategies take an op policy "
+                "policy_fn(ctx, op, *args, **kwargs) (or a list of ops)")
+        return None, check_swap_policy(policy_fn)
+    if not {"selective", "selective_swap"} & set(strategies):
+        raise ValueError(
+            "hyper_parallel: policy_fn is an op policy (ctx, op, ...), a list or dict of ops, "
+            "but no layer of the plan is 'selective' or 'selective_swap' (the strategies that "
+            "use one); 'swap' layers take a per-tensor policy_fn(tensor)")
+    return compile_policy(policy_fn), None
+
+
+# ---------------------------------------------------------------------------- HF models
+def _configs(model: nn.Module) -> list[Any]:
+    """The distinct ``config`` objects of a transformers model's modules."""
+    seen: dict[int, Any] = {}
+    for m in model.modules():
+        config = m.__dict__.get("config")
+        if config is not None and hasattr(config, "use_cache"):
+            seen.setdefault(id(config), config)
+    return list(seen.values())
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    tf = sys.modules.get("transformers")
+    base = getattr(tf, "PreTrainedModel", None) if tf is not None else None
+    return base is not None and isinstance(unwrapped(model), base)
+
+
+def _refuse_hf_checkpointing(model: nn.Module) -> None:
+    on = [name for name, m in model.named_modules()
+          if m.__dict__.get("gradient_checkpointing") is True]
+    if on:
+        raise ValueError(
+            f"hyper_parallel: {type(model).__name__} has Hugging Face gradient checkpointing on "
+            f"(in {on[0]}{' and others' if len(on) > 1 else ''}); its layers would be recomputed "
+            "by transformers and managed by hyper_parallel at once. Call "
+            "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in "
+            "recent transformers) first, then apply_activation_memory.")
+
+
+# ---------------------------------------------------------------------------- apply
+def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=None,
+                            swap_inputs: bool = False,
+                            group_swap: bool = False) -> ActivationMemoryReport:
+    """Puts ``model``'s layers under an activation-memory plan, in place, in one call.
+
+    Each layer is wrapped per its strategy (the wrapper takes the layer's place in its
+    parent, so ``state_dict()`` keys and parameters are unchanged) and, when any layer
+    swaps, all the layers are registered as one prefetch chain in forward order (layer
+    ``i``'s activations are offloaded while layer ``i + 1`` runs forward and prefetched
+    while it runs backward). Applying again first removes the previous application.
+
+    Strategies (the demo's names and meanings):
+
+    * ``"none"``: nothing (every activation stays on the device);
+    * ``"checkpoint"``: ``checkpoint_wrapper`` (full recompute);
+    * ``"selective"``: ``checkpoint_wrapper`` that keeps the matmul outputs
+      (:data:`MATMUL_OPS`) and recomputes the rest;
+    * ``"swap"``: ``swap_wrapper`` (saved activations offloaded to host memory);
+    * ``"selective_swap"``: ``checkpoint_wrapper`` that offloads the matmul outputs
+      (``MUST_SWAP``, :func:`swap_matmuls_policy`) and recomputes the rest;
+    * ``"mixed"`` (a whole-model plan only): even layers ``"checkpoint"``, odd ``"swap"``.
+
+    What stays on the device whatever the plan (see the README): the last layer of the
+    chain (its backward comes first), each layer's output while the next layer reads it,
+    parameters, buffers, region inputs (unless ``swap_inputs``) and leaf tensors that
+    require grad. ``SwapManager().stats()["skipped"]`` counts them by reason.
+
+    Args:
+        model: the model (``nn.Module``); a ``transformers`` model is supported as is.
+        plan: one of
+
+            * a strategy name, for every layer;
+            * a list of names, one per layer in forward order;
+            * a dict from layer index (negative counts from the end) or fully qualified
+              layer name to strategy; unlisted layers get ``"none"``;
+            * a plan object (the planner's; :class:`LayerPlan` protocol): anything with a
+              ``strategies`` attribute holding one of the forms above, typically a dict
+              ``{"model.layers.0": "swap", ...}``.
+        layers: which modules are the layers, in forward order: ``None`` (default:
+            :func:`find_layers`), a list of fully qualified names or of modules (wrapped
+            or not), or a predicate ``predicate(name, module) -> bool`` (matches in
+            registration order; a match's submodules are not considered).
+        policy_fn: replaces the default policy of the strategies that take one: an op
+            policy (``policy_fn(ctx, op, *args, **kwargs)``, a list or dict of ops, as in
+            :func:`checkpoint`) for ``"selective"`` and ``"selective_swap"`` layers, or a
+            per-tensor policy (``policy_fn(tensor)``, a callable of one argument, as in
+            :func:`swap`) for ``"swap"`` layers.
+        swap_inputs: checkpointed layers also swap the inputs they keep for recompute
+            (their layers then join the chain).
+        group_swap: fuse each layer's small swapped tensors into few large copies.
+
+    Returns:
+        An :class:`ActivationMemoryReport` (per layer: name, strategy, wrapper);
+        ``print(report)`` shows it as a table.
+
+    Raises:
+        ValueError: for an unknown strategy, a plan that does not fit the layers, a layer
+            already wrapped by hand, a policy that no layer of the plan uses, no layers
+            found (pass ``layers=``), or a ``transformers`` model with its own gradient
+            checkpointing on (call ``model.gradient_checkpointing_disable()`` first).
+        TypeError: for a plan, ``layers`` or ``policy_fn`` of the wrong kind or call
+            shape.
+
+    Notes:
+        On a ``transformers`` model, a plan that recomputes turns ``config.use_cache``
+        off (with a warning, once): recomputing a layer would append its keys and values
+        to the KV cache a second time. :func:`remove_activation_memory` restores it.
+        Validation happens before the model is touched: an error leaves it as it was.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hyper_parallel: apply_activation_memory expects an nn.Module, got "
+                        f"{type(model).__name__}")
+    slots = resolve_layer_slots(model, layers)
+    strategies = _plan_strategies(plan, slots)
+    op_policy, tensor_policy = _split_policy(policy_fn, strategies)
+    previous: _Applied | None = unwrapped(model).__dict__.get(_STATE)
+    ours = {id(w) for w in (previous.chained if previous else ())} | {
+        id(s.current) for s in (previous.slots if previous else ())}
+    for slot, strategy in zip(slots, strategies):
+        current = slot.current
+        if strategy != "none" and getattr(current, "_hp_is_wrapper", False) \
+                and id(current) not in ours:
+            raise ValueError(
+                f"hyper_parallel: layer {slot.name} is already wrapped by "
+                f"{type(current).__name__} (not by apply_activation_memory); give "
+                "apply_activation_memory the unwrapped model, or leave that layer out of "
+                "layers=")
+    if any(s != "none" for s in strategies) and _is_transformers_model(model):
+        _refuse_hf_checkpointing(model)
+
+    remove_activation_memory(model)
+    originals = [s.layer for s in slots]
+    done: list[int] = []
+    chain: list[nn.Module] = []
+    configs: list[Any] = []
+    try:
+        for i, (slot, strategy) in enumerate(zip(slots, strategies)):
+            wrapper = _wrap(originals[i], strategy, op_policy, tensor_policy, swap_inputs,
+                            group_swap)
+            if wrapper is not None:
+                slot.parent._modules[slot.key] = wrapper
+                done.append(i)
+        swapping = any(STRATEGIES[s].swaps for s in strategies) or (
+            swap_inputs and any(STRATEGIES[s].recomputes for s in strategies))
+        if swapping and len(slots) > 1:
+            chain = [s.current for s in slots]
+            manager = SwapManager()
+            for a, b in zip(chain, chain[1:]):
+                manager.set_forward_prefetch_layer(a, b)
+        if any(STRATEGIES[s].recomputes for s in strategies) and _is_transformers_model(model):
+            configs = [c for c in _configs(model) if c.use_cache]
+            for c in configs:
+                c.use_cache = False
+            if configs:
+                _warn_once("use_cache", (
+                    f"hyper_parallel: turned config.use_cache off on {type(model).__name__}: "
+                    "recomputing a layer in backward would append its keys and values to the "
+                    "KV cache a second time. remove_activation_memory(model) turns it back "
+                    "on."))
+    except BaseException:
+        _undo(slots, originals, chain, configs)
+        raise
+    wrappers = {i: slots[i].current for i in done}
+    report = ActivationMemoryReport(
+        layers=tuple(LayerEntry(s.name, st, type(wrappers[i]).__name__ if i in wrappers else "-")
+                     for i, (s, st) in enumerate(zip(slots, strategies))),
+        chained=bool(chain), use_cache_disabled=bool(configs))
+    unwrapped(model).__dict__[_STATE] = _Applied(slots, originals, chain, configs, report)
+    return report
+
+
+def _wrap(layer: nn.Module, strategy: str, op_policy, tensor_policy, swap_inputs: bool,
+          group_swap: bool):
+    if strategy == "none":
+        return None
+    if strategy == "swap":
+        return swap_wrapper(layer, policy_fn=tensor_policy, group_swap=group_swap)
+    if strategy == "checkpoint":
+        policy = None
+    elif strategy == "selective":
+        policy = op_policy if op_policy is not None else list(MATMUL_OPS)
+    else:  # selective_swap
+        policy = op_policy if op_policy is not None else swap_matmuls_policy
+    return checkpoint_wrapper(layer, policy_fn=policy, swap_inputs=swap_inputs,
+                              group_swap=group_swap)
+
+
+def _undo(slots: list[LayerSlot], originals: list[nn.Module], chain: list[nn.Module],
+          configs: list[Any]) -> None:
+    manager = SwapManager()
+    for obj in chain:
+        manager.unregister(obj)
+    for slot, original in zip(slots, originals):
+        current = slot.parent._modules.get(slot.key)
+        if current is not original and getattr(current, "_hp_is_wrapper", False) \
+                and unwrapped(current) is original:
+            slot.parent._modules[slot.key] = original
+            current._hp_release()
+    for c in configs:
+        c.use_cache = True
+
+
+def remove_activation_memory(model: nn.Module) -> bool:
+    """Undoes :func:`apply_activation_memory` on ``model``: puts the original modules
+    back in their places, unregisters the prefetch chain (the layers and every module
+    inside them leave the swap schedule) and restores ``config.use_cache``.
+
+    Returns:
+        ``True`` when something was removed, ``False`` when ``model`` had no plan applied.
+    """
+    state: _Applied | None = unwrapped(model).__dict__.pop(_STATE, None)
+    if state is None:
+        return False
+    _undo(state.slots, state.originals, state.chained, state.use_cache)
+    return True
+
+
+def applied_report(model: nn.Module) -> ActivationMemoryReport | None:
+    """The report of the plan currently applied to ``model``, or ``None``."""
+    state = unwrapped(model).__dict__.get(_STATE)
+    return None if state is None else state.report

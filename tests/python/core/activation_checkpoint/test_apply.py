@@ -1,0 +1,272 @@
+"""apply_activation_memory / remove_activation_memory on plain models: plans, the chain,
+replacing and removing, policies, and bad input (transformers models:
+test_apply_transformers.py)."""
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+import hyper_parallel
+from hyper_parallel._extension import _C
+from hyper_parallel.core.activation_checkpoint import (
+    STRATEGIES,
+    CheckpointPolicy,
+    CheckpointWrapper,
+    LayerPlan,
+    SwapManager,
+    SwapWrapper,
+    apply_activation_memory,
+    remove_activation_memory,
+)
+from hyper_parallel.core.activation_checkpoint._swap_manager import layer_node
+
+from ._models import Block, Stack, assert_bitwise, grads, twin
+
+
+def kinds(model):
+    return [type(layer).__name__ for layer in model.layers]
+
+
+def chain_of(model):
+    """The prefetch chain as registered: (prev, next) names of each layer's node."""
+    nodes = [layer_node(layer) for layer in model.layers]
+    return [(n.prev is not None, n.next is not None) if n is not None else None for n in nodes]
+
+
+def test_exported_from_both_packages():
+    for name in ("find_layers", "apply_activation_memory", "remove_activation_memory"):
+        assert getattr(hyper_parallel, name) is getattr(
+            hyper_parallel.core.activation_checkpoint, name)
+
+
+@pytest.mark.parametrize("plan, expected", [
+    ("none", ["Block"] * 4),
+    ("checkpoint", ["CheckpointWrapper"] * 4),
+    ("selective", ["CheckpointWrapper"] * 4),
+    ("swap", ["SwapWrapper"] * 4),
+    ("mixed", ["CheckpointWrapper", "SwapWrapper"] * 2),
+    ("selective_swap", ["CheckpointWrapper"] * 4),
+    (["swap", "checkpoint", "none", "selective"],
+     ["SwapWrapper", "CheckpointWrapper", "Block", "CheckpointWrapper"]),
+    ({0: "swap", -1: "checkpoint"}, ["SwapWrapper", "Block", "Block", "CheckpointWrapper"]),
+    ({"layers.1": "swap"}, ["Block", "SwapWrapper", "Block", "Block"]),
+])
+def test_plan_forms(plan, expected):
+    model = Stack(layers=4)
+    report = apply_activation_memory(model, plan)
+    assert kinds(model) == expected
+    assert [e.name for e in report] == [f"layers.{i}" for i in range(4)]
+    assert [e.wrapper for e in report] == [k if k != "Block" else "-" for k in expected]
+    swaps = any(STRATEGIES[e.strategy].swaps for e in report)
+    assert report.chained is swaps
+    if swaps:  # one chain over all layers, "none" layers included, in forward order
+        assert chain_of(model) == [(False, True), (True, True), (True, True), (True, False)]
+    else:
+        assert chain_of(model) == [None] * 4
+
+
+def test_plan_object_protocol():
+    @dataclass
+    class Plan:  # what a planner returns: a per-layer mapping under .strategies
+        strategies: dict
+        explanation: str = ""
+
+    plan = Plan({"layers.0": "swap", "layers.2": "checkpoint"})
+    assert isinstance(plan, LayerPlan)
+    model = Stack(layers=3)
+    report = apply_activation_memory(model, plan)
+    assert report.strategies() == {"layers.0": "swap", "layers.1": "none",
+                                   "layers.2": "checkpoint"}
+    # The report's own mapping is a plan too.
+    again = apply_activation_memory(model, report.strategies())
+    assert again.strategies() == report.strategies()
+
+
+def test_report_prints_a_table():
+    report = apply_activation_memory(Stack(layers=3), ["swap", "checkpoint", "none"])
+    text = str(report)
+    lines = text.splitlines()
+    assert lines[0].split() == ["layer", "strategy", "wrapper"]
+    assert lines[2].split() == ["layers.0", "swap", "SwapWrapper"]
+    assert lines[4].split() == ["layers.2", "none", "-"]
+    assert "1 swap, 1 checkpoint, 1 none; prefetch chain over all 3 layers" in text
+
+
+def test_apply_again_replaces_and_remove_restores(cpu_swap, dev):
+    model = Stack(layers=4).to(dev)
+    originals = list(model.layers)
+    keys = list(model.state_dict())
+    apply_activation_memory(model, "swap")
+    assert list(model.state_dict()) == keys
+    apply_activation_memory(model, "checkpoint")  # replaces: no wrapper of a wrapper
+    assert kinds(model) == ["CheckpointWrapper"] * 4
+    assert [layer._checkpoint_wrapped_module for layer in model.layers] == originals
+    assert chain_of(model) == [None] * 4  # the swap chain is gone
+    assert remove_activation_memory(model) is True
+    assert list(model.layers) == originals and all(layer_node(m) is None for m in originals)
+    assert list(model.state_dict()) == keys
+    assert remove_activation_memory(model) is False
+    # The originals can be wrapped again, by hand too.
+    model.layers[0] = SwapWrapper(originals[0])
+
+
+def test_state_dict_round_trips_across_application():
+    plain = Stack(layers=3)
+    model = twin(plain)
+    apply_activation_memory(model, "mixed")
+    state = model.state_dict()
+    assert state.keys() == plain.state_dict().keys()
+    fresh = Stack(layers=3)
+    fresh.load_state_dict(state)
+    apply_activation_memory(fresh, "selective").__str__()
+    fresh.load_state_dict(plain.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                 plain.state_dict().values()))
+
+
+@pytest.mark.parametrize("plan", ["checkpoint", "selective", "swap", "mixed", "selective_swap"])
+def test_every_strategy_is_bitwise_equal_for_three_steps(plan, cpu_swap, dev):
+    ref = Stack(layers=4, dropout=0.1).to(dev)
+    model = twin(ref)
+    apply_activation_memory(model, plan)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    before = SwapManager().stats()["offload_bytes"]
+    for step in range(3):
+        x = torch.randn(2, 8, 32, device=dev)
+        losses = []
+        for m in (ref, model):
+            torch.manual_seed(step)
+            loss = m(x)
+            loss.backward()
+            losses.append(loss)
+        assert torch.equal(losses[0], losses[1])
+        assert_bitwise(grads(model), grads(ref))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    if STRATEGIES[plan].swaps:
+        assert SwapManager().stats()["offload_bytes"] > before
+
+
+def test_32_layers_mixed_plan_in_one_call(cpu_swap, dev):
+    """Swap all but the last layer and checkpoint every other one: even layers
+    checkpoint, odd layers swap, the last layer plain, in one call."""
+    ref = Stack(layers=32, d=8).to(dev)
+    model = twin(ref)
+    plan = {i: ("checkpoint" if i % 2 == 0 else "swap") for i in range(31)}
+    report = apply_activation_memory(model, plan)
+    assert len(report) == 32 and report.chained
+    assert kinds(model) == ["CheckpointWrapper", "SwapWrapper"] * 15 + ["CheckpointWrapper",
+                                                                         "Block"]
+    x = torch.randn(2, 4, 8, device=dev)
+    model(x).backward()
+    ref(x).backward()
+    assert_bitwise(grads(model), grads(ref))
+    stats = SwapManager().stats()
+    # The 15 swapped layers offload (their successors run after them) and all comes back.
+    assert stats["offload_bytes"] > 0 and stats["reload_bytes"] == stats["offload_bytes"]
+    assert stats["on_demand_reloads"] == 0
+
+
+def test_policy_fn_goes_to_the_strategies_that_take_one(cpu_swap, dev, caches):
+    # An op list replaces what "selective" keeps.
+    model = Stack(layers=2)
+    apply_activation_memory(model, "selective", policy_fn=[torch.ops.aten.addmm])
+    assert all(isinstance(layer, CheckpointWrapper) for layer in model.layers)
+    loss = model(torch.randn(2, 4, 32))
+    assert len(caches) == 2 and all(c.stats()["saved_tensors"] == 2 for c in caches)
+    loss.backward()
+    # A per-tensor callable is the swap layers' policy.
+    seen = []
+
+    def keep_all(t):
+        seen.append(t.shape)
+        return CheckpointPolicy.MUST_SAVE
+
+    model = Stack(layers=3).to(dev)
+    SwapManager().reset_stats()
+    apply_activation_memory(model, "swap", policy_fn=keep_all)
+    with pytest.warns(UserWarning, match="saved nothing that can be swapped"):
+        model(torch.randn(2, 4, 32, device=dev)).backward()
+    assert seen and SwapManager().stats()["offload_bytes"] == 0
+    assert SwapManager().stats()["skipped"]["kept_by_policy"]["count"] > 0
+
+
+def test_policy_fn_without_a_taker_is_refused():
+    with pytest.raises(ValueError, match="no layer of the plan is 'swap'"):
+        apply_activation_memory(Stack(layers=2), "checkpoint", policy_fn=lambda t: None)
+    with pytest.raises(ValueError, match="no layer of the plan is 'selective'"):
+        apply_activation_memory(Stack(layers=2), "swap", policy_fn=[torch.ops.aten.mm])
+
+
+@pytest.mark.parametrize("plan, error, match", [
+    ("bogus", ValueError, "not a strategy"),
+    (["swap"], ValueError, "lists 1 strategies for 3 layers"),
+    ({5: "swap"}, ValueError, "index 5"),
+    ({"layers.9": "swap"}, ValueError, "not one of the 3 layers"),
+    ({0: "mixed"}, ValueError, "whole-model plan"),
+    ({0.5: "swap"}, TypeError, "indices or names"),
+    (3, TypeError, "plan must be"),
+])
+def test_bad_plans_leave_the_model_untouched(plan, error, match):
+    model = Stack(layers=3)
+    apply_activation_memory(model, "swap")
+    before = list(model.layers)
+    with pytest.raises(error, match="hyper_parallel: .*" + match):
+        apply_activation_memory(model, plan)
+    assert list(model.layers) == before  # the previous application is still in place
+    assert chain_of(model)[0] == (False, True)
+
+
+def test_layer_wrapped_by_hand_is_refused():
+    model = Stack(layers=2)
+    model.layers[0] = CheckpointWrapper(model.layers[0])
+    with pytest.raises(ValueError, match="layers.0 is already wrapped by CheckpointWrapper"):
+        apply_activation_memory(model, "swap")
+    assert isinstance(model.layers[1], Block)
+
+
+def test_failure_half_way_rolls_back(monkeypatch):
+    from hyper_parallel.core.activation_checkpoint import _apply
+
+    model = Stack(layers=3)
+    originals = list(model.layers)
+    calls = []
+    real = _apply.swap_wrapper
+
+    def flaky(layer, **kwargs):
+        calls.append(layer)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(layer, **kwargs)
+
+    monkeypatch.setattr(_apply, "swap_wrapper", flaky)
+    with pytest.raises(RuntimeError, match="boom"):
+        apply_activation_memory(model, "swap")
+    assert list(model.layers) == originals
+    monkeypatch.undo()
+    apply_activation_memory(model, "swap")  # nothing was left marked as wrapped
+    assert kinds(model) == ["SwapWrapper"] * 3
+
+
+def test_deepcopy_of_an_applied_model_is_independent(cpu_swap, dev):
+    model = Stack(layers=3).to(dev)
+    apply_activation_memory(model, "swap")
+    copied = copy.deepcopy(model)
+    assert kinds(copied) == ["SwapWrapper"] * 3
+    assert remove_activation_memory(copied) is True
+    assert kinds(copied) == ["Block"] * 3 and kinds(model) == ["SwapWrapper"] * 3
+    x = torch.randn(2, 4, 32, device=dev)
+    model(x).backward()
+    assert SwapManager().stats()["offload_bytes"] > 0
+    assert _C.layer_scheduled(layer_node(model.layers[0]).layer_id)
+
+
+def test_single_block_type_list_under_sequential():
+    model = nn.Sequential(*[Block(8) for _ in range(3)])
+    report = apply_activation_memory(model, "checkpoint")
+    assert [e.name for e in report] == ["0", "1", "2"]
+    assert isinstance(model[1], CheckpointWrapper)

@@ -1,0 +1,248 @@
+"""Nothing silent: each setting that saves nothing warns once (or is refused), and
+SwapManager().stats()["skipped"] counts what was not offloaded, by reason."""
+
+import gc
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from hyper_parallel.core.activation_checkpoint import (
+    CheckpointPolicy,
+    SwapManager,
+    apply_activation_memory,
+    checkpoint_wrapper,
+    swap_wrapper,
+)
+
+from ._models import Block, Stack, assert_bitwise, grads, twin
+
+REASONS = {"parameter", "buffer", "host_tensor", "foreign_storage", "copy_on_write",
+           "empty_storage", "no_storage", "meta_or_fake", "subclass_or_functional",
+           "unsupported_device", "kept_by_policy", "in_use_elsewhere", "last_layer"}
+
+
+def skipped(reason):
+    entry = SwapManager().stats()["skipped"][reason]
+    return entry["count"], entry["bytes"]
+
+
+def step(model, dev, batch=2):
+    x = torch.randn(batch, 4, 32, device=dev)
+    model(x).backward()
+    SwapManager().synchronize()
+
+
+def test_stats_list_every_reason_and_reset_clears_them(cpu_swap, dev):
+    stats = SwapManager().stats()
+    assert set(stats["skipped"]) == REASONS
+    assert all(v == {"count": 0, "bytes": 0} for v in stats["skipped"].values())
+    model = Stack(layers=3).to(dev)
+    apply_activation_memory(model, "swap")
+    step(model, dev)
+    block = model.layers[0]
+    # Every layer saves its Linear weights (parameters) and the scale buffer.
+    param_bytes = sum(p.untyped_storage().nbytes() for p in block.parameters() if p.dim() == 2)
+    assert skipped("parameter")[1] >= 3 * param_bytes
+    assert skipped("buffer") == (3, 3 * block.scale.untyped_storage().nbytes())
+    assert skipped("last_layer")[0] > 0
+    SwapManager().reset_stats()
+    assert skipped("parameter") == (0, 0)
+
+
+def test_host_tensors_with_cpu_swap_off_warn_once_and_count():
+    model = Stack(layers=3)
+    apply_activation_memory(model, "swap")
+    with pytest.warns(UserWarning, match=r"already live in host memory.*"
+                                         r"HYPER_PARALLEL_CPU_SWAP=1"):
+        step(model, "cpu")
+    count, nbytes = skipped("host_tensor")
+    assert count > 0 and nbytes > 0
+    assert SwapManager().stats()["offload_bytes"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per cause
+        step(model, "cpu")
+    assert skipped("host_tensor")[0] == 2 * count  # the counters keep counting
+
+
+def test_chain_that_saves_nothing_swappable_warns(cpu_swap, dev):
+    model = Stack(layers=3).to(dev)
+    apply_activation_memory(model, "swap", policy_fn=lambda t: CheckpointPolicy.MUST_SAVE)
+    with pytest.warns(UserWarning, match=r"is in a prefetch chain but saved nothing that can be "
+                                         r"swapped: .* kept on device \(MUST_SAVE\)"):
+        step(model, dev)
+    assert skipped("kept_by_policy")[0] > 0
+    assert SwapManager().stats()["offload_bytes"] == 0
+
+
+def test_storage_reading_policy_offloads_the_same_bytes(cpu_swap, dev):
+    """A policy that reads t.untyped_storage() / t.storage() creates a Python storage
+    object that torch keeps alive for the storage's whole life (it holds a reference
+    of the StorageImpl). The engine must not mistake that for a user of the storage."""
+
+    def must_swap(t):
+        return CheckpointPolicy.MUST_SWAP
+
+    def by_storage_size(t):
+        return CheckpointPolicy.MUST_SWAP if t.untyped_storage().nbytes() > 0 \
+            else CheckpointPolicy.MUST_SAVE
+
+    def by_typed_storage(t):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TypedStorage is deprecated
+            return CheckpointPolicy.MUST_SWAP if t.storage().size() > 0 \
+                else CheckpointPolicy.MUST_SAVE
+
+    ref = Stack(layers=4).to(dev)
+    offloaded, in_use = [], []
+    for policy in (must_swap, by_storage_size, by_typed_storage):
+        SwapManager().reset_stats()
+        model = twin(ref)
+        apply_activation_memory(model, "swap", policy_fn=policy)
+        torch.manual_seed(0)
+        step(model, dev)
+        offloaded.append(SwapManager().stats()["offload_bytes"])
+        in_use.append(skipped("in_use_elsewhere"))
+    assert offloaded[0] > 0 and offloaded == [offloaded[0]] * 3
+    assert in_use == [in_use[0]] * 3
+
+
+def test_a_storage_held_in_python_stays_on_device(cpu_swap, dev):
+    """The other side: a storage object that Python still holds may be read at any time,
+    so its storage is not freed (counted as in use elsewhere)."""
+    held = []
+
+    def hold(t):
+        if not held:
+            held.append(t.untyped_storage())
+        return CheckpointPolicy.MUST_SWAP
+
+    model = Stack(layers=3).to(dev)
+    apply_activation_memory(model, "swap", policy_fn=hold)
+    step(model, dev)
+    count, nbytes = skipped("in_use_elsewhere")
+    assert count >= 1 and nbytes >= held[0].nbytes() > 0
+
+
+def test_cycle_in_the_chain_is_refused():
+    a, b, c = Block(8), Block(8), Block(8)
+    manager = SwapManager()
+    manager.set_forward_prefetch_layer(a, b)
+    manager.set_forward_prefetch_layer(b, c)
+    with pytest.raises(ValueError, match="hyper_parallel: .*would close a cycle"):
+        manager.set_forward_prefetch_layer(c, a)
+    with pytest.raises(ValueError, match="would close a cycle"):
+        manager.set_forward_prefetch_layer(b, a)
+    # Nothing changed: a -> b -> c still.
+    from hyper_parallel.core.activation_checkpoint._swap_manager import layer_node
+
+    na, nb, nc = (layer_node(m) for m in (a, b, c))
+    assert na.prev is None and na.next is nb and nb.next is nc and nc.next is None
+
+
+def test_forward_against_the_chain_warns(cpu_swap, dev):
+    model = Stack(layers=3).to(dev)
+    layers = model.layers
+    for i in range(3):
+        layers[i] = swap_wrapper(layers[i])
+    manager = SwapManager()
+    for i in range(2):  # declared 2 -> 1 -> 0, but the model runs 0, 1, 2
+        manager.set_forward_prefetch_layer(layers[2 - i], layers[1 - i])
+    with pytest.warns(UserWarning, match="forward order is the opposite of the chain"):
+        step(model, dev)
+
+
+def test_forward_in_chain_order_does_not_warn(cpu_swap, dev):
+    model = Stack(layers=3).to(dev)
+    apply_activation_memory(model, "swap")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            step(model, dev)
+
+
+def test_two_swap_wrappers_around_one_module_are_refused():
+    block = Block(8)
+    first = swap_wrapper(block)
+    with pytest.raises(ValueError, match=r"hyper_parallel: this Block already has a "
+                                         r"swap_wrapper; wrap each module once"):
+        swap_wrapper(block)
+    # Checkpoint wrappers open no swap region of their own: several may share a module.
+    assert checkpoint_wrapper(block)._checkpoint_wrapped_module is block
+    del first
+    gc.collect()
+    second = swap_wrapper(block)  # the first one is gone: wrapping again is fine
+    assert second._checkpoint_wrapped_module is block
+
+
+def test_swap_policy_with_the_checkpoint_signature_is_explained():
+    def op_policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE
+
+    with pytest.raises(TypeError, match=r"swap's policy_fn is called once per saved tensor as "
+                                        r"policy_fn\(tensor\).*op_policy\(ctx, op.*checkpoint "
+                                        r"policy"):
+        swap_wrapper(Block(8), policy_fn=op_policy)
+    from hyper_parallel.core.activation_checkpoint import swap
+
+    with pytest.raises(TypeError, match="swap's policy_fn"):
+        swap(Block(8), torch.randn(2, 8, requires_grad=True), policy_fn=op_policy)
+    with pytest.raises(TypeError, match="list or dict of ops is a checkpoint policy"):
+        swap_wrapper(Block(8), policy_fn=[torch.ops.aten.mm])
+
+
+def test_checkpoint_policy_with_the_swap_signature_is_explained():
+    def tensor_policy(t):
+        return CheckpointPolicy.MUST_SWAP
+
+    with pytest.raises(TypeError, match=r"checkpoint's policy_fn is called once per op as "
+                                        r"policy_fn\(ctx, op, \*args, \*\*kwargs\).*"
+                                        r"tensor_policy\(t\).*swap policy"):
+        checkpoint_wrapper(Block(8), policy_fn=tensor_policy)
+    from hyper_parallel.core.activation_checkpoint import checkpoint
+
+    with pytest.raises(TypeError, match="checkpoint's policy_fn"):
+        checkpoint(Block(8), torch.randn(2, 8, requires_grad=True), policy_fn=tensor_policy)
+
+
+def test_policies_with_flexible_signatures_pass(cpu_swap, dev):
+    ref = Stack(layers=2).to(dev)
+    model = twin(ref)
+    model.layers[0] = swap_wrapper(model.layers[0], policy_fn=lambda *a: CheckpointPolicy.MUST_SWAP)
+    model.layers[1] = checkpoint_wrapper(model.layers[1], policy_fn=lambda *a, **k: True)
+    x = torch.randn(2, 4, 32, device=dev)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # layer 0 is unscheduled here
+        model(x).backward()
+    ref(x).backward()
+    assert_bitwise(grads(model), grads(ref))
+
+
+def test_checkpoint_layers_in_a_chain_say_nothing(cpu_swap, dev):
+    """Checkpointed layers save nothing by design: no warning for them."""
+    model = Stack(layers=4).to(dev)
+    apply_activation_memory(model, ["checkpoint", "checkpoint", "none", "swap"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(model, dev)
+
+
+def test_warning_names_the_reason_for_a_module_without_swappable_saves(cpu_swap, dev):
+    class OnlyParams(nn.Module):
+        """Saves its weight and the (leaf) input only."""
+
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8))
+
+        def forward(self, x):
+            return x * self.w
+
+    a, b = OnlyParams().to(dev), OnlyParams().to(dev)
+    wa, wb = swap_wrapper(a), swap_wrapper(b)
+    SwapManager().set_forward_prefetch_layer(wa, wb)
+    x = torch.randn(3, 8, device=dev, requires_grad=True)
+    with pytest.warns(UserWarning, match="saved nothing that can be swapped: 2 storages of "
+                                         "parameters"):
+        wb(wa(x).detach().requires_grad_()).sum().backward()

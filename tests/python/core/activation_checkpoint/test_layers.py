@@ -1,0 +1,96 @@
+"""find_layers and the layers= selection of apply_activation_memory (plain models; the
+transformers architectures are in test_apply_transformers.py)."""
+
+import pytest
+import torch
+from torch import nn
+
+from hyper_parallel.core.activation_checkpoint import (
+    apply_activation_memory,
+    checkpoint_wrapper,
+    find_layers,
+    remove_activation_memory,
+)
+from hyper_parallel.core.activation_checkpoint._layers import resolve_layer_slots
+
+from ._models import Block, Stack
+
+
+class TwoStacks(nn.Module):
+    """A short ModuleList of blocks and a longer Sequential of blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList(Block(8) for _ in range(2))
+        self.body = nn.Module()
+        self.body.blocks = nn.Sequential(*[Block(8) for _ in range(3)])
+        self.mixed = nn.ModuleList([nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh()])
+
+
+def test_plain_model_longest_list_of_one_type():
+    assert find_layers(Stack(layers=3)) == ["layers.0", "layers.1", "layers.2"]
+    # A ModuleList of mixed types is no stack of blocks; the longest same-type one wins.
+    assert find_layers(TwoStacks()) == ["body.blocks.0", "body.blocks.1", "body.blocks.2"]
+    # The model itself may be the container.
+    seq = nn.Sequential(Block(8), Block(8))
+    assert find_layers(seq) == ["0", "1"]
+
+
+def test_names_survive_wrapping():
+    model = Stack(layers=3)
+    names = find_layers(model)
+    apply_activation_memory(model, "checkpoint")
+    assert find_layers(model) == names
+    assert all(type(model.get_submodule(n)).__name__ == "CheckpointWrapper" for n in names)
+    remove_activation_memory(model)
+    assert find_layers(model) == names
+
+
+def test_none_found_says_pass_layers():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(ValueError, match=r"hyper_parallel: find_layers found no repeated blocks"
+                                         r".*layers="):
+        find_layers(model)
+
+
+def test_layers_by_names_modules_and_predicate():
+    model = TwoStacks()
+    by_name = resolve_layer_slots(model, ["encoder.1", "encoder.0"])
+    assert [s.name for s in by_name] == ["encoder.1", "encoder.0"]  # the order given
+    by_module = resolve_layer_slots(model, [model.encoder[0], model.body.blocks[2]])
+    assert [s.name for s in by_module] == ["encoder.0", "body.blocks.2"]
+    by_pred = resolve_layer_slots(model, lambda name, m: isinstance(m, Block))
+    assert [s.name for s in by_pred] == ["encoder.0", "encoder.1", "body.blocks.0",
+                                         "body.blocks.1", "body.blocks.2"]
+    # A wrapper given by the user resolves to its position.
+    model.encoder[0] = checkpoint_wrapper(model.encoder[0])
+    assert [s.name for s in resolve_layer_slots(model, [model.encoder[0]])] == ["encoder.0"]
+
+
+@pytest.mark.parametrize("layers, match", [
+    (["nope"], "not a submodule"),
+    (["encoder.0", "encoder.0"], "twice"),
+    (["encoder.0", "encoder.0.fc1"], "inside"),
+    ([], "empty"),
+    ([nn.Linear(2, 2)], "not a submodule"),
+    (lambda name, m: False, "matched no module"),
+])
+def test_bad_layers_are_refused(layers, match):
+    with pytest.raises(ValueError, match="hyper_parallel: .*" + match):
+        resolve_layer_slots(TwoStacks(), layers)
+
+
+def test_layers_of_the_wrong_kind():
+    with pytest.raises(TypeError, match="hyper_parallel: layers= takes"):
+        resolve_layer_slots(TwoStacks(), "encoder.0")
+    with pytest.raises(TypeError, match="entries must be names or modules"):
+        resolve_layer_slots(TwoStacks(), [3])
+
+
+def test_selected_layers_are_used_by_apply():
+    torch.manual_seed(0)
+    model = TwoStacks()
+    report = apply_activation_memory(model, "checkpoint", layers=["encoder.0", "encoder.1"])
+    assert [e.name for e in report] == ["encoder.0", "encoder.1"]
+    assert type(model.encoder[0]).__name__ == "CheckpointWrapper"
+    assert isinstance(model.body.blocks[0], Block)
