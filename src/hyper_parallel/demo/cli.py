@@ -13,13 +13,6 @@ import os
 import platform
 import time
 
-import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-from hyper_parallel.core.activation_checkpoint import ActivationTrace, SwapManager, activation_trace
-
-from .data import load_corpus, make_batches, stdlib_dir
 from .strategies import STRATEGIES, parse_strategies
 
 DEFAULTS = dict(layers=8, hidden=128, heads=4, seq_len=128, batch=4, steps=12, seed=0)
@@ -80,11 +73,13 @@ def resolve_device(text: str):
     return torch.device(text)
 
 
-def _load_simulated_device(text: str) -> torch.device:
+def _load_simulated_device(text: str):
     """The test-only simulated accelerator (tests/sim/hpsim.py), loaded from the source
     checkout this package runs from; it is not part of an installed package."""
     import importlib.util
     import pathlib
+
+    import torch
 
     loader = pathlib.Path(__file__).resolve().parents[3] / "tests" / "sim" / "hpsim.py"
     if not loader.is_file():
@@ -136,7 +131,8 @@ def main(argv: list[str] | None = None, console=None) -> list[dict]:
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn)
 
-    from hyper_parallel.core.activation_checkpoint import SwapManager
+    from hyper_parallel.core.activation_checkpoint import (ActivationTrace, SwapManager,
+                                                           activation_trace)
 
     from .data import load_corpus, make_batches, stdlib_dir
     from .model import build_config, initial_state
