@@ -70,6 +70,16 @@ def cpu_swap(dev):
     return SwapManager()
 
 
+@pytest.fixture
+def host_swap():
+    """The CPU swap backend on, for tests whose tensors live on the host whatever
+    HP_TEST_DEVICE says (they do not take part in the device pass)."""
+    from hyper_parallel.core.activation_checkpoint import SwapManager
+
+    SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.05)
+    return SwapManager()
+
+
 def pytest_collection_modifyitems(config, items):
     # Marker `device` (pyproject.toml): tests that run on HP_TEST_DEVICE.
     for item in items:

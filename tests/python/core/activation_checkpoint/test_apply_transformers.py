@@ -116,7 +116,7 @@ def test_find_layers_names_the_decoder_blocks(arch, built):
 
 
 @pytest.mark.parametrize("arch", list(MODELS))
-def test_every_strategy_bitwise_for_three_steps(arch, built, cpu_swap):
+def test_every_strategy_bitwise_for_three_steps(arch, built, host_swap):
     data = batches()
     # Recompute plans turn use_cache off, swap keeps it: each is compared with the plain
     # model under the same setting (with the cache on, attention reads keys and values

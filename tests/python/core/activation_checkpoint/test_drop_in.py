@@ -106,7 +106,7 @@ def test_contexts_under_torchs_checkpoint_match_no_checkpoint(policy, caches):
         assert {r for r, _ in calls} == {False, True}
 
 
-def test_contexts_must_swap_under_torchs_checkpoint_offloads(cpu_swap):
+def test_contexts_must_swap_under_torchs_checkpoint_offloads(host_swap):
     model, x = _block(), torch.randn(64, D)
     ctx = functools.partial(create_selective_checkpoint_contexts,
                             {aten.addmm: CheckpointPolicy.MUST_SWAP})

@@ -208,7 +208,7 @@ def test_full_checkpoint_probes_a_target_then_runs_torchs_frame_alone(monkeypatc
     assert len(probes) == 7  # a per-op policy always runs the modes
 
 
-def test_must_swap_mode_offloads_in_each_case(cpu_swap):
+def test_must_swap_mode_offloads_in_each_case(host_swap):
     # The "must_swap" runs above are swap runs: each case moves bytes to the host and back.
     from hyper_parallel.core.activation_checkpoint import SwapManager
 
