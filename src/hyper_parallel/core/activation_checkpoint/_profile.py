@@ -1,7 +1,8 @@
 """Profiling a training step for the planner (docs/design.md, "Planner").
 
-One measured step per candidate strategy, applied to every layer at once (plus one
-warm-up step), on the device the model is on. Per layer and strategy it records what the
+``repeats`` (default 2) measured steps per candidate strategy, applied to every layer at
+once (plus one warm-up step), on the device the model is on; times are the least over the
+repeats. Per layer and strategy it records what the
 cost model of ``csrc/hyper_parallel/planner/CostModel.h`` needs:
 
 * ``kept_bytes``: how much the library's meter (:func:`saved_activation_memory`) grew
@@ -349,10 +350,24 @@ def measure_copy_links(device: torch.device, nbytes: int, repeats: int = 2) \
     return fit(0), fit(1)
 
 
+def _fastest(runs: list[dict]) -> dict:
+    """Several steps of one strategy: bytes of the last one (they are deterministic), each
+    time the least over the steps (robust against other jobs on the machine)."""
+    out = dict(runs[-1])
+    out["costs"] = [LayerCost(c.kept_bytes, c.offload_bytes,
+                              min(r["costs"][k].forward_seconds for r in runs),
+                              min(r["costs"][k].backward_seconds for r in runs))
+                    for k, c in enumerate(runs[-1]["costs"])]
+    for key in ("step_seconds", "tail_seconds", "outside_seconds"):
+        out[key] = min(r[key] for r in runs)
+    return out
+
+
 def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *,
-                              layers=None, candidates=None) -> ActivationProfile:
-    """Profiles ``step_fn`` under each candidate strategy (one step each, after one
-    warm-up step of ``"none"``) and measures the copy link.
+                              layers=None, candidates=None,
+                              repeats: int = 2) -> ActivationProfile:
+    """Profiles ``step_fn`` under each candidate strategy (``repeats`` steps each, after
+    one warm-up step of ``"none"``) and measures the copy link.
 
     Args:
         model: the model whose layers will be planned (``nn.Module``).
@@ -363,6 +378,7 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
         candidates: strategy names to profile (default :data:`DEFAULT_CANDIDATES`);
             ``"none"`` is always profiled. Swapping strategies are dropped when the model
             is on the host and CPU swap is off (nothing could be swapped).
+        repeats: measured steps per strategy (times: the least; default 2).
 
     Returns:
         An :class:`ActivationProfile`. Under ``torch.distributed`` every rank profiles and
@@ -378,6 +394,8 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
         raise TypeError("hyper_parallel: step_fn must be a callable running one forward and "
                         "backward, e.g. lambda: model(x).loss.backward()")
     names = check_candidates(candidates)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"hyper_parallel: repeats must be an int >= 1, got {repeats!r}")
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     if not _can_swap(device):
@@ -393,7 +411,8 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
         link_d2h = link_h2d = CopyLink(0.0, 0.0)
         remove_activation_memory(model)
         _run_step(step_fn, model, layer_names, device, params)  # warm-up
-        runs["none"] = _run_step(step_fn, model, layer_names, device, params)
+        runs["none"] = _fastest([_run_step(step_fn, model, layer_names, device, params)
+                                 for _ in range(repeats)])
         if any(STRATEGIES[n].swaps for n in names):
             typical = max(c.kept_bytes for c in runs["none"]["costs"])
             link_d2h, link_h2d = measure_copy_links(device, max(1 << 16, typical))
@@ -401,7 +420,8 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
             apply_activation_memory(model, name, layers=layer_names)
             try:
                 SwapManager().reset_stats()
-                runs[name] = _run_step(step_fn, model, layer_names, device, params)
+                runs[name] = _fastest([_run_step(step_fn, model, layer_names, device, params)
+                                       for _ in range(repeats)])
             finally:
                 remove_activation_memory(model)
     finally:
