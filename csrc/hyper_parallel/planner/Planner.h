@@ -25,8 +25,7 @@
 // later layers choose, is set to 0 (exact). So the search is exact for the model on the
 // byte grid (a brute-force test checks it); the plan it returns always meets the budget
 // and its prediction is evaluate()'s. With time_quantum_seconds > 0 the backlog is also
-// rounded up to that grid, which bounds the Pareto sets (faster, exact only for times on
-// the grid).
+// rounded up to that grid (fewer distinct labels; exact only for times on the grid).
 //
 // Cost: O(layers * grid * options^2 * Pareto size). The Pareto sets stay small while
 // copies fit their windows (the 8 layers x 6 options of bench_planner.py: 1 to 40 ms);
