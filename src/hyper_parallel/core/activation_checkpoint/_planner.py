@@ -306,7 +306,8 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
             :func:`parse_budget` reads them (``"300MiB"``, ``0.4``).
         layers: which modules are the layers (as for :func:`apply_activation_memory`).
         candidates: strategies to choose from (default: none, checkpoint, selective,
-            swap, selective_swap, checkpoint_swap).
+            swap, selective_swap, checkpoint_swap); "none" is always among them (it is
+            the baseline every figure is measured against).
 
     Returns:
         An :class:`ActivationPlan`; ``apply_activation_memory(model, plan)`` applies it,
