@@ -5,10 +5,10 @@ host memory with overlapped prefetch), or both, layer by layer. The public API l
 :mod:`hyper_parallel.core.activation_checkpoint`.
 
 Its whole-model entry points (``find_layers``, ``apply_activation_memory``,
-``remove_activation_memory``), ``activation_trace`` (the swap timeline) and the distributed
-entry points of PyTorch that the user guide composes with (``fully_shard``,
-``init_device_mesh``, ``parallelize_module``, ``ColwiseParallel``, ``RowwiseParallel``) are
-re-exported here; all are imported lazily.
+``remove_activation_memory``, ``plan_activation_memory``, ``ActivationPlan``),
+``activation_trace`` (the swap timeline) and the distributed entry points of PyTorch that
+the user guide composes with (``fully_shard``, ``init_device_mesh``, ``parallelize_module``,
+``ColwiseParallel``, ``RowwiseParallel``) are re-exported here; all are imported lazily.
 """
 
 __version__ = "0.1.0"
@@ -24,7 +24,7 @@ _TORCH_REEXPORTS = {
 _OWN_REEXPORTS = {
     name: "hyper_parallel.core.activation_checkpoint"
     for name in ("find_layers", "apply_activation_memory", "remove_activation_memory",
-                 "activation_trace")
+                 "activation_trace", "plan_activation_memory", "ActivationPlan")
 }
 
 __all__ = ["__version__", *_OWN_REEXPORTS, *_TORCH_REEXPORTS]

@@ -13,7 +13,7 @@ import os
 import platform
 import time
 
-from .strategies import STRATEGIES, parse_strategies
+from .strategies import AUTO, DEFAULT_STRATEGIES, STRATEGIES, parse_strategies
 
 DEFAULTS = dict(layers=8, hidden=128, heads=4, seq_len=128, batch=4, steps=12, seed=0)
 
@@ -41,8 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'auto' (the accelerator if there is one, else cpu), 'cpu', 'cuda', "
                         "'cuda:1', 'npu', ...; 'hpsim': the simulated accelerator of the "
                         "test suite (a source checkout built with scripts/setup.sh)")
-    p.add_argument("--strategies", default=",".join(STRATEGIES),
-                   help="comma-separated list of: " + ", ".join(STRATEGIES))
+    p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                   help="comma-separated list of: " + ", ".join(STRATEGIES) + ", " + AUTO +
+                        " (the planner's per-layer plan under --budget)")
+    p.add_argument("--budget", default="0.4",
+                   help="for 'auto': the peak of saved activations allowed, a fraction of "
+                        "none's measured peak (0.4) or bytes with a unit (300MiB)")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"],
                    help="seed of the initial weights, the batches and training")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
@@ -187,6 +191,9 @@ def main(argv: list[str] | None = None, console=None) -> list[dict]:
             f"{tokens.numel() / 1e6:.2f} MB of {stdlib_dir()}/*.py; {args.steps} steps per "
             f"strategy on {device} ({_plural(torch.get_num_threads(), 'torch thread')}).")
 
+        plan = None
+        if AUTO in names:
+            plan = _plan_auto(args.budget, config, state, batches[0], device, console)
         results = []
         timeline = ActivationTrace()
         with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
@@ -201,7 +208,8 @@ def main(argv: list[str] | None = None, console=None) -> list[dict]:
                 with (activation_trace() if args.trace else contextlib.nullcontext()) as trace:
                     results.append(train_strategy(
                         name, config=config, state=state, batches=batches, device=device,
-                        seed=args.seed, lr=args.lr, on_step=on_step, keep_final_state=True))
+                        seed=args.seed, lr=args.lr, on_step=on_step, keep_final_state=True,
+                        plan=plan))
                 for item in trace.items if args.trace else ():
                     item["label"] = f"{name}: {item['label']}"
                     timeline.items.append(item)
@@ -225,6 +233,28 @@ def main(argv: list[str] | None = None, console=None) -> list[dict]:
         console.print(f"wrote {args.trace} (swap timeline: open it in https://ui.perfetto.dev)")
     console.print(f"total wall time {run_info['wall_seconds']:.1f} s (after imports)")
     return records
+
+
+def _plan_auto(budget: str, config, state, tokens, device, console):
+    """Runs the planner on a fresh model over the first batch; prints its plan."""
+    from hyper_parallel.core.activation_checkpoint import (InfeasibleBudgetError,
+                                                           plan_activation_memory)
+
+    from .model import fresh_model
+
+    model = fresh_model(config, state, device)
+    tokens = tokens.to(device)
+    console.print(f"[bold]auto:[/bold] profiling one step per candidate strategy for the "
+                  f"planner (budget {budget})")
+    try:
+        plan = plan_activation_memory(
+            model, lambda: model(input_ids=tokens, labels=tokens).loss.backward(), budget)
+    except InfeasibleBudgetError as err:
+        raise SystemExit(str(err)) from None
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    console.print(plan.explain(), markup=False, highlight=False)
+    return plan
 
 
 def _plural(n: int, noun: str) -> str:

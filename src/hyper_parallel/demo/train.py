@@ -152,6 +152,7 @@ def train_strategy(
     lr: float = 1e-3,
     on_step: Callable[[int, float], None] | None = None,
     keep_final_state: bool = False,
+    plan=None,
 ) -> StrategyResult:
     """Trains a fresh model under strategy ``name`` for ``len(batches)`` steps.
 
@@ -166,6 +167,7 @@ def train_strategy(
         lr: AdamW learning rate.
         on_step: called after each step with (step index, loss).
         keep_final_state: return the trained weights (on CPU) for comparisons.
+        plan: the planner's plan, for ``name == "auto"``.
 
     Returns:
         The measurements.
@@ -173,7 +175,7 @@ def train_strategy(
     manager = SwapManager()
     manager.reset()
     model = fresh_model(config, state, device)
-    strategy, report = apply_strategy(model, name)
+    strategy, report = apply_strategy(model, name, plan)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     stack_meter = _StackMeter([model.get_submodule(e.name) for e in report.layers])

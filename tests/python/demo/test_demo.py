@@ -211,3 +211,15 @@ def test_help_imports_nothing_heavy_and_needs_no_build(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "--layers" in res.stdout and "[setup]" not in res.stderr
     assert not (tmp_path / "no").exists()
+
+
+def test_auto_strategy_prints_plan_and_meets_budget():
+    args = ["--layers", "3", "--hidden", "32", "--heads", "2", "--seq-len", "32",
+            "--batch", "2", "--steps", "2", "--device", "cpu", "--strategies", "none,auto",
+            "--budget", "0.5"]
+    records, text = _run(args)
+    recs = {r["strategy"]: r for r in records}
+    assert "predicted peak" in text and "model.layers.2" in text
+    assert recs["auto"]["peak_saved_bytes"] <= 0.5 * recs["none"]["peak_saved_bytes"]
+    with pytest.raises(SystemExit, match="hyper_parallel: no plan"):
+        _run(args[:-1] + ["1KiB"])

@@ -4,7 +4,8 @@ Recompute (``checkpoint``, ``checkpoint_sequential``, ``checkpoint_wrapper``, pe
 ``CheckpointPolicy``, ``create_selective_checkpoint_contexts`` for torch's checkpoint), swap
 (``swap``, ``swap_wrapper``, ``swap_tensor_wrapper``, ``SwapManager``) or both, whole models
 in one call (``find_layers``, ``apply_activation_memory``, ``remove_activation_memory``),
-and the swap timeline (``activation_trace``).
+chosen per layer under a byte budget by the planner (``plan_activation_memory``), and the
+swap timeline (``activation_trace``).
 """
 
 from ._apply import (
@@ -17,7 +18,9 @@ from ._apply import (
 from ._checkpoint import CheckpointWrapper, checkpoint, checkpoint_sequential, checkpoint_wrapper
 from ._layers import find_layers
 from ._memory import SavedActivationMeter, saved_activation_memory
+from ._planner import ActivationPlan, InfeasibleBudgetError, parse_budget, plan_activation_memory
 from ._policy import CheckpointPolicy
+from ._profile import ActivationProfile, profile_activation_memory
 from ._selective import SelectiveCheckpointContext, create_selective_checkpoint_contexts
 from ._swap import swap, swap_tensor_wrapper
 from ._swap_manager import SwapManager
@@ -28,8 +31,11 @@ __all__ = [
     "ActivationTrace",
     "STRATEGIES",
     "ActivationMemoryReport",
+    "ActivationPlan",
+    "ActivationProfile",
     "CheckpointPolicy",
     "CheckpointWrapper",
+    "InfeasibleBudgetError",
     "LayerPlan",
     "SavedActivationMeter",
     "SelectiveCheckpointContext",
@@ -42,6 +48,9 @@ __all__ = [
     "checkpoint_wrapper",
     "create_selective_checkpoint_contexts",
     "find_layers",
+    "parse_budget",
+    "plan_activation_memory",
+    "profile_activation_memory",
     "remove_activation_memory",
     "saved_activation_memory",
     "swap",

@@ -71,6 +71,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("mixed", "even layers checkpoint, odd layers swap + chain", True, True),
     Strategy("selective_swap", "checkpoint_wrapper, MUST_SWAP for matmul outputs + chain",
              True, True),
+    Strategy("checkpoint_swap", "checkpoint_wrapper with swap_inputs=True (full recompute, "
+             "inputs offloaded) + chain", True, True),
 )}
 _PER_LAYER = tuple(n for n in STRATEGIES if n != "mixed")
 
@@ -279,6 +281,9 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     * ``"swap"``: ``swap_wrapper`` (saved activations offloaded to host memory);
     * ``"selective_swap"``: ``checkpoint_wrapper`` that offloads the matmul outputs
       (``MUST_SWAP``, :func:`swap_matmuls_policy`) and recomputes the rest;
+    * ``"checkpoint_swap"``: ``checkpoint_wrapper(swap_inputs=True)``: full recompute, and
+      the inputs it keeps for the recompute are offloaded too (the planner's lowest-memory
+      choice);
     * ``"mixed"`` (a whole-model plan only): even layers ``"checkpoint"``, odd ``"swap"``.
 
     What stays on the device whatever the plan (see the README): the last layer of the
@@ -396,6 +401,8 @@ def _wrap(layer: nn.Module, strategy: str, op_policy, tensor_policy, swap_inputs
         return None
     if strategy == "swap":
         return swap_wrapper(layer, policy_fn=tensor_policy, group_swap=group_swap)
+    if strategy == "checkpoint_swap":
+        return checkpoint_wrapper(layer, swap_inputs=True, group_swap=group_swap)
     if strategy == "checkpoint":
         policy = None
     elif strategy == "selective":

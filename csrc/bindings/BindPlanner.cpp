@@ -1,0 +1,94 @@
+#include "Bindings.h"
+
+#include "hyper_parallel/planner/Planner.h"
+
+namespace py = pybind11;
+
+namespace hyper_parallel::bindings {
+
+using namespace planner;
+
+void bind_planner(py::module_& m) {
+  py::class_<OptionCost>(m, "PlannerOptionCost",
+                         "One strategy's profiled cost for one layer (bytes, seconds); see "
+                         "csrc/hyper_parallel/planner/CostModel.h.")
+      .def(py::init([](int64_t kept, int64_t offload, double fwd, double bwd) {
+             return OptionCost{kept, offload, fwd, bwd};
+           }),
+           py::arg("kept_bytes"), py::arg("offload_bytes"), py::arg("forward_seconds"),
+           py::arg("backward_seconds"))
+      .def_readwrite("kept_bytes", &OptionCost::kept_bytes)
+      .def_readwrite("offload_bytes", &OptionCost::offload_bytes)
+      .def_readwrite("forward_seconds", &OptionCost::forward_seconds)
+      .def_readwrite("backward_seconds", &OptionCost::backward_seconds);
+
+  py::class_<StepProfile>(m, "PlannerProfile",
+                          "A profiled step: per layer and option costs, bytes and time outside "
+                          "the layers, copy links (CostModel.h).")
+      .def(py::init<>())
+      .def_readwrite("options", &StepProfile::options)
+      .def_readwrite("layers", &StepProfile::layers)
+      .def_readwrite("base_bytes", &StepProfile::base_bytes)
+      .def_readwrite("tail_bytes", &StepProfile::tail_bytes)
+      .def_readwrite("outside_seconds", &StepProfile::outside_seconds)
+      .def_readwrite("tail_seconds", &StepProfile::tail_seconds)
+      .def("set_links",
+           [](StepProfile& p, double d2h_latency, double d2h_per_byte, double h2d_latency,
+              double h2d_per_byte) {
+             p.d2h = CopyLink{d2h_latency, d2h_per_byte};
+             p.h2d = CopyLink{h2d_latency, h2d_per_byte};
+           },
+           py::arg("d2h_latency"), py::arg("d2h_seconds_per_byte"), py::arg("h2d_latency"),
+           py::arg("h2d_seconds_per_byte"))
+      .def("validate", &StepProfile::validate);
+
+  auto prediction_dict = [](const Prediction& p) {
+    py::dict d;
+    d["peak_bytes"] = p.peak_bytes;
+    d["step_seconds"] = p.step_seconds;
+    d["stall_seconds"] = p.stall_seconds;
+    d["offload_bytes"] = p.offload_bytes;
+    d["host_peak_bytes"] = p.host_peak_bytes;
+    d["peak_layer"] = p.peak_layer;
+    d["peak_in_backward"] = p.peak_in_backward;
+    return d;
+  };
+  m.def("planner_evaluate",
+        [prediction_dict](const StepProfile& p, const std::vector<int>& assignment) {
+          return prediction_dict(evaluate(p, assignment));
+        },
+        py::arg("profile"), py::arg("assignment"),
+        "Predicted peak bytes and step seconds of one assignment (option index per layer).");
+
+  auto result = [prediction_dict](const PlanResult& r) -> py::object {
+    if (!r.feasible) return py::none();
+    return py::make_tuple(r.assignment, prediction_dict(r.prediction));
+  };
+  py::class_<Planner>(m, "Planner", "Exact per-layer strategy optimizer (Planner.h).")
+      .def(py::init<StepProfile, int, double>(), py::arg("profile"), py::arg("grid") = 1024,
+           py::arg("time_quantum_seconds") = 0.0)
+      .def("solve",
+           [result](const Planner& pl, int64_t budget, const std::vector<uint64_t>& allowed) {
+             PlanResult r;
+             {
+               py::gil_scoped_release no_gil;
+               r = pl.solve(budget, allowed);
+             }
+             return result(r);
+           },
+           py::arg("budget_bytes"), py::arg("allowed") = std::vector<uint64_t>{},
+           "(assignment, prediction) of the fastest plan within the budget, or None.")
+      .def("min_peak",
+           [result](const Planner& pl, const std::vector<uint64_t>& allowed) {
+             PlanResult r;
+             {
+               py::gil_scoped_release no_gil;
+               r = pl.min_peak(allowed);
+             }
+             return result(r);
+           },
+           py::arg("allowed") = std::vector<uint64_t>{},
+           "(assignment, prediction) of the smallest reachable peak.");
+}
+
+}  // namespace hyper_parallel::bindings

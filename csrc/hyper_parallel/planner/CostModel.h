@@ -1,0 +1,85 @@
+#pragma once
+// CostModel: predicted peak saved-activation bytes and step time of a per-layer plan
+// (docs/design.md, "Planner"). Pure arithmetic on a profile, no tensors.
+//
+// The schedule it models is SPEC 3 with prefetch depth 1, for a chain L0 .. Ln-1:
+//  * forward: at the end of Lk's forward (its release point) the D2H copy of its
+//    offloaded bytes is queued on the D2H stream (FIFO); its device bytes stop counting at
+//    that point, as the library's meter sees it. The forward never waits for a D2H copy.
+//  * backward: when Lk+1's backward begins, the H2D copy of Lk's offloaded bytes starts,
+//    once Lk's D2H copy has finished; Lk's backward begins when both Lk+1's backward and
+//    that reload are done (a reload longer than its window stalls the step).
+//  * the last layer offloads nothing; its bytes stay on the device.
+// A copy of n bytes takes latency + n * seconds_per_byte (measured per direction).
+//
+// Peak bytes are the largest of these sample points (the meter's, SPEC 6):
+//  * end of Lk's forward, before its release:    base + kept(L0..Lk-1) + kept(k) + offload(k)
+//  * end of the forward (with the head's saves): base + kept(L0..Ln-1) + tail
+//  * start of Lk's backward, Lk-1's prefetch launched:
+//                                                base + kept(L0..Lk) + offload(k) + offload(k-1)
+// Recomputation inside a backward creates tensors that are not saved activations of the
+// step; the meter does not count them, and neither does the model.
+//
+// Thread-safety: plain values; evaluate() is a pure function.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hyper_parallel::planner {
+
+// The cost of one strategy ("option") for one layer, as profiled.
+struct OptionCost {
+  int64_t kept_bytes = 0;     // saved bytes on device from its forward to its backward
+  int64_t offload_bytes = 0;  // saved bytes offloaded at its release point, reloaded before
+                              // its backward (0 for strategies that do not swap)
+  double forward_seconds = 0.0;
+  double backward_seconds = 0.0;  // including any recompute
+};
+
+// One direction of the copy link: a copy of n bytes takes latency + n * seconds_per_byte.
+struct CopyLink {
+  double latency_seconds = 0.0;
+  double seconds_per_byte = 0.0;
+  double seconds(int64_t bytes) const {
+    return bytes > 0 ? latency_seconds + seconds_per_byte * static_cast<double>(bytes) : 0.0;
+  }
+};
+
+struct StepProfile {
+  std::vector<std::string> options;             // strategy names, one per column
+  std::vector<std::vector<OptionCost>> layers;  // [layer][option], forward order
+  int64_t base_bytes = 0;   // saved before the first layer (embedding); held all step
+  int64_t tail_bytes = 0;   // saved after the last layer (head, loss); freed before the
+                            // last layer's backward begins
+  double outside_seconds = 0.0;  // step time outside the layers and the tail window
+  double tail_seconds = 0.0;     // end of the last layer's forward -> start of its backward
+  CopyLink d2h;
+  CopyLink h2d;
+
+  size_t num_layers() const { return layers.size(); }
+  size_t num_options() const { return options.size(); }
+  // Throws c10::ValueError (prefixed "hyper_parallel:") for a ragged table, negative bytes
+  // or times, non-finite values, or more than 64 options.
+  void validate() const;
+  // The cost of `option` at `layer`, with the last-layer rule applied (its offload bytes
+  // become kept bytes).
+  OptionCost effective(size_t layer, size_t option) const;
+};
+
+struct Prediction {
+  int64_t peak_bytes = 0;       // largest saved-activation bytes on device
+  double step_seconds = 0.0;    // forward + backward of one step
+  double stall_seconds = 0.0;   // part of step_seconds spent waiting for copies
+  int64_t offload_bytes = 0;    // bytes copied to the host (and back) per step
+  int64_t host_peak_bytes = 0;  // bytes on the host at the start of the backward
+  int peak_layer = -1;          // layer of the peak sample point (-1: the tail)
+  bool peak_in_backward = false;
+};
+
+// Predicts one assignment (an option index per layer) by simulating the schedule above
+// event by event. Throws c10::ValueError for an assignment of the wrong length or an
+// option index out of range.
+Prediction evaluate(const StepProfile& profile, const std::vector<int>& assignment);
+
+}  // namespace hyper_parallel::planner

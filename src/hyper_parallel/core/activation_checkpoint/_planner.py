@@ -1,0 +1,345 @@
+"""The planner: per-layer strategies under a byte budget (docs/design.md, "Planner").
+
+:func:`plan_activation_memory` profiles a few steps (:mod:`._profile`), hands the figures
+to the C++ optimizer (``csrc/hyper_parallel/planner``: cost model of the SPEC 3 schedule,
+exact dynamic program) and returns an :class:`ActivationPlan`, which
+:func:`apply_activation_memory` applies.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from hyper_parallel._extension import _C
+
+from ._apply import STRATEGIES
+from ._profile import ActivationProfile, check_candidates, profile_activation_memory
+
+_MiB = 1 << 20
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / _MiB:.2f} MiB"
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One layer of an :class:`ActivationPlan` (bytes, seconds)."""
+
+    name: str
+    strategy: str
+    saved_bytes: int          # kept on the device from forward to backward
+    offloaded_bytes: int      # copied to the host and back
+    recomputed_bytes: int     # saved by "none" but neither kept nor offloaded
+    added_seconds: float      # forward + backward time over "none" (copy stalls excluded)
+    why: str
+
+
+@dataclass
+class ActivationPlan:
+    """A per-layer activation-memory plan and what the cost model predicts for it.
+
+    Attributes:
+        strategies: fully qualified layer name -> strategy (what
+            :func:`apply_activation_memory` reads).
+        budget_bytes: the budget it was planned for.
+        predicted_peak_bytes / predicted_step_seconds: the plan's predictions.
+        none_peak_bytes / none_step_seconds: the predictions for "none".
+        predicted_offload_bytes: bytes copied to the host (and back) per step.
+        predicted_stall_seconds: time the step waits for copies.
+        rows: one :class:`PlanRow` per layer, forward order.
+    """
+
+    strategies: dict[str, str]
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_step_seconds: float
+    none_peak_bytes: int
+    none_step_seconds: float
+    predicted_offload_bytes: int = 0
+    predicted_stall_seconds: float = 0.0
+    rows: list[PlanRow] = field(default_factory=list)
+
+    def explain(self) -> str:
+        """A table: per layer, the choice, saved / offloaded / recomputed bytes, the time
+        it adds and why; then the totals against "none"."""
+        head = ("layer", "strategy", "saved", "offloaded", "recomputed", "+time", "why")
+        rows = [head] + [(r.name, r.strategy, _fmt_bytes(r.saved_bytes),
+                          _fmt_bytes(r.offloaded_bytes), _fmt_bytes(r.recomputed_bytes),
+                          f"{r.added_seconds * 1e3:+.2f} ms", r.why) for r in self.rows]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        ratio = self.predicted_step_seconds / self.none_step_seconds \
+            if self.none_step_seconds > 0 else float("nan")
+        lines.append(
+            f"predicted peak {_fmt_bytes(self.predicted_peak_bytes)} (budget "
+            f"{_fmt_bytes(self.budget_bytes)}, none {_fmt_bytes(self.none_peak_bytes)}); "
+            f"step {self.predicted_step_seconds * 1e3:.1f} ms ({ratio:.3f}x none's "
+            f"{self.none_step_seconds * 1e3:.1f} ms), of which copy stalls "
+            f"{self.predicted_stall_seconds * 1e3:.1f} ms; "
+            f"{_fmt_bytes(self.predicted_offload_bytes)} to the host per step")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> ActivationPlan:
+        """The plan :meth:`to_json` wrote.
+
+        Raises:
+            ValueError: when ``text`` is not such a plan, or names an unknown strategy.
+        """
+        try:
+            d = json.loads(text)
+            d["rows"] = [PlanRow(**r) for r in d.get("rows", [])]
+            plan = cls(**d)
+        except (TypeError, KeyError, json.JSONDecodeError) as err:
+            raise ValueError(f"hyper_parallel: not an ActivationPlan JSON ({err})") from None
+        bad = {s for s in plan.strategies.values() if s not in STRATEGIES or s == "mixed"}
+        if bad:
+            raise ValueError(f"hyper_parallel: the plan names unknown strategies {sorted(bad)}")
+        return plan
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan of the candidates meets the budget.
+
+    Attributes:
+        budget_bytes: the budget asked for.
+        min_peak_bytes: the smallest predicted peak some plan reaches.
+        plan: the fastest plan at that peak (an :class:`ActivationPlan`).
+    """
+
+    def __init__(self, message: str, budget_bytes: int, min_peak_bytes: int,
+                 plan: ActivationPlan) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.min_peak_bytes = min_peak_bytes
+        self.plan = plan
+
+
+# ------------------------------------------------------------------------ cost model
+def _cpp_profile(profile: ActivationProfile):
+    p = _C.PlannerProfile()
+    p.options = list(profile.strategies)
+    p.layers = [[_C.PlannerOptionCost(c.kept_bytes, c.offload_bytes, c.forward_seconds,
+                                      c.backward_seconds)
+                 for c in (profile.costs[s][k] for s in profile.strategies)]
+                for k in range(len(profile.layer_names))]
+    p.base_bytes = int(profile.base_bytes)
+    p.tail_bytes = int(profile.tail_bytes)
+    p.outside_seconds = float(profile.outside_seconds)
+    p.tail_seconds = float(profile.tail_seconds)
+    p.set_links(profile.d2h.latency_seconds, profile.d2h.seconds_per_byte,
+                profile.h2d.latency_seconds, profile.h2d.seconds_per_byte)
+    return p
+
+
+def predict(profile: ActivationProfile, strategies: Sequence[str] | dict) -> dict:
+    """The cost model's prediction for a plan (one strategy per layer, or a dict from layer
+    name to strategy; unlisted layers "none"): ``peak_bytes``, ``step_seconds``,
+    ``stall_seconds``, ``offload_bytes``, ``host_peak_bytes``."""
+    if isinstance(strategies, dict):
+        strategies = [strategies.get(n, "none") for n in profile.layer_names]
+    index = {s: i for i, s in enumerate(profile.strategies)}
+    missing = sorted({s for s in strategies if s not in index})
+    if missing:
+        raise ValueError(f"hyper_parallel: strategies {missing} were not profiled (profiled: "
+                         f"{', '.join(profile.strategies)})")
+    return dict(_C.planner_evaluate(_cpp_profile(profile), [index[s] for s in strategies]))
+
+
+def _plan(profile: ActivationProfile, assignment: list[int], prediction: dict,
+          budget: int) -> ActivationPlan:
+    names = [profile.strategies[i] for i in assignment]
+    none = predict(profile, ["none"] * len(names))
+    n = len(names)
+    rows = []
+    for k, (layer, s) in enumerate(zip(profile.layer_names, names)):
+        c, base = profile.costs[s][k], profile.costs["none"][k]
+        kept, off = c.kept_bytes, c.offload_bytes
+        if k == n - 1:
+            kept, off = kept + off, 0
+        recomputed = max(0, base.kept_bytes - kept - off) if STRATEGIES[s].recomputes else 0
+        added = (c.forward_seconds + c.backward_seconds) - (base.forward_seconds
+                                                             + base.backward_seconds)
+        rows.append(PlanRow(layer, s, int(kept), int(off), int(recomputed), float(added),
+                            _why(profile, k, s, kept, off, added, n)))
+    return ActivationPlan(
+        strategies=dict(zip(profile.layer_names, names)),
+        budget_bytes=int(budget),
+        predicted_peak_bytes=int(prediction["peak_bytes"]),
+        predicted_step_seconds=float(prediction["step_seconds"]),
+        none_peak_bytes=int(none["peak_bytes"]),
+        none_step_seconds=float(none["step_seconds"]),
+        predicted_offload_bytes=int(prediction["offload_bytes"]),
+        predicted_stall_seconds=float(prediction["stall_seconds"]),
+        rows=rows,
+    )
+
+
+def _why(profile: ActivationProfile, k: int, s: str, kept: int, off: int, added: float,
+         n: int) -> str:
+    freed = profile.costs["none"][k].kept_bytes - kept
+    if s == "none":
+        return "fits: everything stays on the device"
+    if k == n - 1 and STRATEGIES[s].swaps and not STRATEGIES[s].recomputes:
+        return "last layer: its bytes stay on the device (its backward runs first)"
+    parts = [f"frees {_fmt_bytes(freed)}"]
+    if off:
+        copy = profile.d2h.seconds(off)
+        window = profile.costs["none"][k + 1].forward_seconds if k + 1 < n else 0.0
+        parts.append(f"offload {copy * 1e3:.2f} ms vs next forward {window * 1e3:.2f} ms")
+    if STRATEGIES[s].recomputes:
+        parts.append(f"recompute {added * 1e3:+.2f} ms")
+    return ", ".join(parts)
+
+
+def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
+                      candidates: Sequence[str] | None = None,
+                      grid: int = 1024) -> ActivationPlan:
+    """The fastest plan within ``budget_bytes`` from a profile (no model run).
+
+    Raises:
+        InfeasibleBudgetError: when no plan of the candidates meets the budget.
+    """
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise ValueError(f"hyper_parallel: budget_bytes must be a positive int number of bytes, "
+                         f"got {budget_bytes!r} (parse_budget turns '300MiB' or a fraction of "
+                         "none's peak into bytes)")
+    names = check_candidates(candidates) if candidates is not None else profile.strategies
+    unprofiled = [c for c in names if c not in profile.strategies]
+    if unprofiled:
+        raise ValueError(f"hyper_parallel: candidates {unprofiled} were not profiled; profile "
+                         "them first (candidates= of profile_activation_memory)")
+    mask = sum(1 << i for i, s in enumerate(profile.strategies) if s in names)
+    allowed = [mask] * len(profile.layer_names)
+    planner = _C.Planner(_cpp_profile(profile), grid)
+    found = planner.solve(int(budget_bytes), allowed)
+    if found is None:
+        low = planner.min_peak(allowed)
+        plan = _plan(profile, low[0], low[1], budget_bytes)
+        choice = ", ".join(f"{k}: {n}" for k, n in _counts(plan).items())
+        raise InfeasibleBudgetError(
+            f"hyper_parallel: no plan of the candidates ({', '.join(names)}) keeps the peak of "
+            f"saved activations within {_fmt_bytes(budget_bytes)} ({budget_bytes} bytes); the "
+            f"smallest reachable is {_fmt_bytes(plan.predicted_peak_bytes)} "
+            f"({plan.predicted_peak_bytes} bytes) with {choice} (error.plan). Raise the budget, "
+            "allow more candidates (e.g. checkpoint_swap), or shrink the batch.",
+            int(budget_bytes), plan.predicted_peak_bytes, plan)
+    return _plan(profile, found[0], found[1], budget_bytes)
+
+
+def _counts(plan: ActivationPlan) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in plan.strategies.values():
+        out[s] = out.get(s, 0) + 1
+    return out
+
+
+# ------------------------------------------------------------------------ budgets
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_budget(text: str | int | float, none_peak_bytes: int | None = None) -> int:
+    """Bytes from ``"300MiB"``, ``"2GB"``, ``"123456"`` or a fraction of "none"'s peak
+    (``"0.4"`` or ``0.4``: a number in (0, 1], which needs ``none_peak_bytes``).
+
+    Raises:
+        ValueError: for anything else.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"hyper_parallel: budget {text!r} is not a size")
+    if isinstance(text, int):
+        value, unit, fraction = float(text), "", False
+    elif isinstance(text, float):
+        value, unit, fraction = text, "", 0 < text <= 1
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"hyper_parallel: budget {text!r} is neither a fraction of none's "
+                             "peak (e.g. 0.4) nor a size (e.g. 300MiB, 2GB, 123456)")
+        value, unit = float(m.group(1)), m.group(2).lower()
+        fraction = unit == "" and 0 < value <= 1 and "." in m.group(1)
+    if fraction:
+        if none_peak_bytes is None:
+            raise ValueError("hyper_parallel: a fractional budget needs none's measured peak")
+        return max(1, int(value * none_peak_bytes))
+    nbytes = int(value * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"hyper_parallel: budget {text!r} must be positive")
+    return nbytes
+
+
+# ------------------------------------------------------------------------ public entry
+def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budget_bytes, *,
+                           layers=None, candidates=None) -> ActivationPlan:
+    """Chooses a strategy per layer so that the step's peak of saved activations stays
+    within ``budget_bytes`` at the least predicted step time.
+
+    Profiles ``step_fn`` a few times on the model's device (one warm-up step of "none"
+    and two steps per candidate strategy; see :func:`profile_activation_memory`), then
+    solves exactly, in C++, over all per-layer assignments with the cost model of SPEC 3's
+    swap schedule (offload of layer k overlaps the following forwards on a FIFO D2H
+    stream; its reload overlaps layer k+1's backward; copies longer than their windows
+    stall; the last layer keeps its bytes). Ties go to less host traffic.
+
+    Args:
+        model: the model (``nn.Module``), e.g. a ``transformers`` model.
+        step_fn: runs one forward and backward of the real step, e.g.
+            ``lambda: model(input_ids=x, labels=x).loss.backward()``; no optimizer step.
+            Parameter gradients are restored afterwards.
+        budget_bytes: the largest peak of saved-activation bytes on the device (as
+            :func:`saved_activation_memory` counts them over the whole step); an int
+            number of bytes, or a size string / fraction of "none"'s measured peak as
+            :func:`parse_budget` reads them (``"300MiB"``, ``0.4``).
+        layers: which modules are the layers (as for :func:`apply_activation_memory`).
+        candidates: strategies to choose from (default: none, checkpoint, selective,
+            swap, selective_swap, checkpoint_swap); "none" is always among them (it is
+            the baseline every figure is measured against).
+
+    Returns:
+        An :class:`ActivationPlan`; ``apply_activation_memory(model, plan)`` applies it,
+        ``print(plan.explain())`` shows it.
+
+    Raises:
+        InfeasibleBudgetError (a ValueError): when no plan meets the budget; it gives the
+            smallest reachable peak and its plan.
+        ValueError / TypeError: for a bad budget, candidate or model.
+
+    Distributed: under ``torch.distributed`` every rank profiles, the figures become the
+    worst over all ranks, rank 0 solves and broadcasts the plan (or the error), so every
+    rank applies the same plan (a plan that differed per rank would deadlock the
+    collectives inside recomputed layers). Call it on every rank.
+    """
+    profile = profile_activation_memory(model, step_fn, layers=layers, candidates=candidates)
+    budget = parse_budget(budget_bytes, profile.none_peak_bytes) \
+        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) else budget_bytes
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return plan_from_profile(profile, budget)
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("plan", plan_from_profile(profile, budget).to_json())
+        except InfeasibleBudgetError as err:
+            box[0] = ("infeasible", (str(err), err.budget_bytes, err.min_peak_bytes,
+                                     err.plan.to_json()))
+    dist.broadcast_object_list(box, src=0)
+    kind, payload = box[0]
+    if kind == "plan":
+        return ActivationPlan.from_json(payload)
+    message, asked, low, plan = payload
+    raise InfeasibleBudgetError(message, asked, low, ActivationPlan.from_json(plan))

@@ -1,0 +1,484 @@
+"""Profiling a training step for the planner (docs/design.md, "Planner").
+
+``repeats`` (default 2) measured steps per candidate strategy, applied to every layer at
+once (plus one warm-up step), on the device the model is on; times are the least over the
+repeats. Per layer and strategy it records what the
+cost model of ``csrc/hyper_parallel/planner/CostModel.h`` needs:
+
+* ``kept_bytes``: how much the library's meter (:func:`saved_activation_memory`) grew
+  over the layer's forward, release point included (bytes that stay on the device until
+  the layer's backward);
+* ``offload_bytes``: bytes the engine queued for the host at the layer's release point
+  (``SwapManager().stats()["offload_bytes"]`` over the forward);
+* ``forward_seconds`` / ``backward_seconds``: wall time between hooks (the backward from
+  the gradient of the layer's output to that of its input), minus the time the engine
+  reports it stalled on reloads there; on an accelerator each hook synchronizes.
+
+and, outside the layers: the bytes saved before the first layer (held all step), those
+saved after the last one (the head and loss, freed before the layers' backward), the
+time between the last layer's forward and its backward, the rest of the step time, and
+the copy link: seconds per byte and latency of the engine's own D2H and H2D copies
+(a manual swap group of two sizes, each direction timed; on the CPU backend this
+includes its artificial per-byte delay).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from ._apply import STRATEGIES, apply_activation_memory, applied_report, remove_activation_memory
+from ._layers import resolve_layer_slots
+from ._memory import saved_activation_memory
+from ._swap_manager import SwapManager
+
+#: The planner's default candidates, in the order they are profiled.
+DEFAULT_CANDIDATES = ("none", "checkpoint", "selective", "swap", "selective_swap",
+                      "checkpoint_swap")
+
+
+@dataclass
+class LayerCost:
+    """One strategy's measured cost for one layer (bytes, seconds)."""
+
+    kept_bytes: int
+    offload_bytes: int
+    forward_seconds: float
+    backward_seconds: float
+
+
+@dataclass
+class CopyLink:
+    """One copy direction: ``latency_seconds + bytes * seconds_per_byte``."""
+
+    latency_seconds: float
+    seconds_per_byte: float
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_seconds + self.seconds_per_byte * nbytes if nbytes > 0 else 0.0
+
+
+@dataclass
+class ActivationProfile:
+    """What :func:`profile_activation_memory` measured; :meth:`plan` turns it into plans
+    for any budget without running the model again.
+
+    Attributes:
+        layer_names: fully qualified layer names, forward order.
+        strategies: the profiled candidates (``"none"`` first).
+        costs: strategy -> one :class:`LayerCost` per layer.
+        base_bytes: saved before the first layer, held all step.
+        tail_bytes: saved after the last layer (head, loss).
+        tail_seconds: end of the last layer's forward to the start of its backward.
+        outside_seconds: the rest of the step outside the layers.
+        d2h, h2d: the copy links.
+        measured: strategy -> {"peak_bytes", "step_seconds"} of its profiled step.
+        output_bytes: bytes of each layer's output.
+        device: the model's device.
+        world_size: ranks whose worst figures this holds (1 outside torch.distributed).
+    """
+
+    layer_names: list[str]
+    strategies: list[str]
+    costs: dict[str, list[LayerCost]]
+    base_bytes: int
+    tail_bytes: int
+    tail_seconds: float
+    outside_seconds: float
+    d2h: CopyLink
+    h2d: CopyLink
+    measured: dict[str, dict] = field(default_factory=dict)
+    output_bytes: list[int] = field(default_factory=list)
+    device: str = "cpu"
+    world_size: int = 1
+
+    # ------------------------------------------------------------------ derived figures
+    @property
+    def saved_bytes(self) -> list[int]:
+        """Bytes each layer saves for backward with nothing applied."""
+        return [c.kept_bytes for c in self.costs["none"]]
+
+    @property
+    def matmul_bytes(self) -> list[int] | None:
+        """Per layer, the bytes "selective" keeps beyond "checkpoint" (matmul outputs)."""
+        if not {"selective", "checkpoint"} <= set(self.costs):
+            return None
+        return [max(0, s.kept_bytes - c.kept_bytes)
+                for s, c in zip(self.costs["selective"], self.costs["checkpoint"])]
+
+    @property
+    def recompute_seconds(self) -> list[float] | None:
+        """Per layer, the backward time "checkpoint" adds to "none" (its recompute)."""
+        if "checkpoint" not in self.costs:
+            return None
+        return [max(0.0, c.backward_seconds - n.backward_seconds)
+                for c, n in zip(self.costs["checkpoint"], self.costs["none"])]
+
+    @property
+    def none_peak_bytes(self) -> int:
+        """Measured peak of the "none" step."""
+        return int(self.measured["none"]["peak_bytes"])
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, budget_bytes: int, *, candidates: Sequence[str] | None = None,
+             grid: int = 1024):
+        """The fastest plan within ``budget_bytes`` (see :func:`plan_activation_memory`)."""
+        from ._planner import plan_from_profile
+
+        return plan_from_profile(self, budget_bytes, candidates=candidates, grid=grid)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ActivationProfile:
+        d = dict(d)
+        d["costs"] = {k: [LayerCost(**c) for c in v] for k, v in d["costs"].items()}
+        d["d2h"] = CopyLink(**d["d2h"])
+        d["h2d"] = CopyLink(**d["h2d"])
+        return cls(**d)
+
+
+def check_candidates(candidates) -> list[str]:
+    """Validated candidate list, ``"none"`` first (it is always profiled: the baseline)."""
+    if candidates is None:
+        return list(DEFAULT_CANDIDATES)
+    if isinstance(candidates, str):
+        candidates = [candidates]
+    names = list(dict.fromkeys(candidates))
+    for name in names:
+        if name == "mixed" or name not in STRATEGIES:
+            per_layer = ", ".join(n for n in STRATEGIES if n != "mixed")
+            raise ValueError(f"hyper_parallel: candidate {name!r} is not a per-layer strategy; "
+                             f"choose from {per_layer}")
+    return ["none"] + [n for n in names if n != "none"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _first_tensor(args, kwargs) -> torch.Tensor | None:
+    x = kwargs.get("hidden_states")
+    if isinstance(x, torch.Tensor):
+        return x
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+def _out_tensor(output) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+class _StepProbe:
+    """Hooks on the (possibly wrapped) layers that time each layer's forward and backward
+    and read the meter and the engine's counters at its boundaries."""
+
+    def __init__(self, modules: list[nn.Module], device: torch.device) -> None:
+        n = len(modules)
+        self.device = device
+        self.meter = None
+        self.fwd_start = [0.0] * n
+        self.fwd_end = [0.0] * n
+        self.bwd_start = [None] * n
+        self.bwd_end = [None] * n
+        self.mem_before = [0] * n
+        self.mem_after = [0] * n
+        self.off_before = [0] * n
+        self.off_after = [0] * n
+        self.stall_start = [0.0] * n
+        self.stall_end = [0.0] * n
+        self.out_bytes = [0] * n
+        self._handles = []
+        for k, m in enumerate(modules):
+            self._handles.append(m.register_forward_pre_hook(self._pre(k), with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post(k), with_kwargs=True))
+
+    def _stats(self) -> dict:
+        return SwapManager().stats()
+
+    def _pre(self, k):
+        def hook(module, args, kwargs):
+            _sync(self.device)
+            stats = self._stats()
+            self.off_before[k] = stats["offload_bytes"]
+            self.mem_before[k] = self.meter.sample() if self.meter is not None else 0
+            x = _first_tensor(args, kwargs)
+            if x is not None and x.requires_grad:
+                x.register_hook(self._grad_in(k))
+            self.fwd_start[k] = time.perf_counter()
+        return hook
+
+    def _post(self, k):
+        def hook(module, args, kwargs, output):
+            _sync(self.device)
+            self.fwd_end[k] = time.perf_counter()
+            stats = self._stats()
+            self.off_after[k] = stats["offload_bytes"]
+            self.mem_after[k] = self.meter.sample() if self.meter is not None else 0
+            y = _out_tensor(output)
+            if y is not None:
+                self.out_bytes[k] = y.untyped_storage().nbytes()
+                if y.requires_grad:
+                    y.register_hook(self._grad_out(k))
+            return None
+        return hook
+
+    def _grad_out(self, k):
+        def hook(grad):
+            _sync(self.device)
+            self.bwd_start[k] = time.perf_counter()
+            self.stall_start[k] = self._stats()["stall_seconds"]
+        return hook
+
+    def _grad_in(self, k):
+        def hook(grad):
+            _sync(self.device)
+            self.bwd_end[k] = time.perf_counter()
+            self.stall_end[k] = self._stats()["stall_seconds"]
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
+              device: torch.device, params: list[nn.Parameter]) -> dict:
+    """One measured step of the plan currently applied to ``model``."""
+    modules = [model.get_submodule(n) for n in names]
+    probe = _StepProbe(modules, device)
+    try:
+        _sync(device)
+        start = time.perf_counter()
+        with saved_activation_memory() as meter:
+            probe.meter = meter
+            step_fn()
+            _sync(device)
+        end = time.perf_counter()
+        peak = meter.peak_bytes
+    finally:
+        probe.meter = None
+        probe.remove()
+        for p in params:
+            p.grad = None
+    n = len(names)
+    costs = []
+    for k in range(n):
+        b_end = probe.bwd_end[k] if probe.bwd_end[k] is not None else end
+        b_start = probe.bwd_start[k] if probe.bwd_start[k] is not None else b_end
+        stall = max(0.0, probe.stall_end[k] - probe.stall_start[k]) \
+            if probe.bwd_end[k] is not None and probe.bwd_start[k] is not None else 0.0
+        costs.append(LayerCost(
+            kept_bytes=max(0, int(probe.mem_after[k] - probe.mem_before[k])),
+            offload_bytes=max(0, int(probe.off_after[k] - probe.off_before[k])),
+            forward_seconds=max(0.0, probe.fwd_end[k] - probe.fwd_start[k]),
+            backward_seconds=max(0.0, b_end - b_start - stall)))
+    last_bwd = probe.bwd_start[n - 1]
+    tail_seconds = max(0.0, (last_bwd if last_bwd is not None else end) - probe.fwd_end[n - 1])
+    busy = sum(c.forward_seconds + c.backward_seconds for c in costs)
+    return {
+        "costs": costs,
+        "peak_bytes": int(peak),
+        "step_seconds": end - start,
+        "base_bytes": int(probe.mem_before[0]),
+        "tail_bytes": max(0, int(peak) - int(probe.mem_after[n - 1])),
+        "tail_seconds": tail_seconds,
+        "outside_seconds": max(0.0, end - start - busy - tail_seconds),
+        "output_bytes": list(probe.out_bytes),
+    }
+
+
+def _can_swap(device: torch.device) -> bool:
+    return device.type != "cpu" or SwapManager().cpu_swap_enabled()
+
+
+def _sin_of_copy(a: torch.Tensor) -> torch.Tensor:
+    # mul by a Python number saves nothing; sin saves its input, created here: swappable.
+    return (a * 1.0).sin()
+
+
+def measure_copy_links(device: torch.device, nbytes: int, repeats: int = 2) \
+        -> tuple[CopyLink, CopyLink]:
+    """Times the engine's own offload and reload of one saved tensor of ``nbytes`` and of
+    ``nbytes // 4`` bytes (a ``swap`` region outside any chain: released at its end,
+    reloaded when its backward starts; the fastest of ``repeats`` kept) and fits latency
+    + seconds per byte for each direction. The reload time includes the tiny backward of
+    ``sin``. On the CPU backend the engine's per-byte delay is part of what is measured."""
+    from ._swap import swap
+
+    manager = SwapManager()
+    sizes = (max(1 << 14, nbytes // 4) // 4 * 4, max(1 << 16, nbytes) // 4 * 4)
+    best = {}
+    for size in sizes:
+        d2h = h2d = float("inf")
+        for _ in range(repeats):
+            x = torch.zeros(size // 4, dtype=torch.float32, device=device, requires_grad=True)
+            _sync(device)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "unscheduled region": intended here
+                t0 = time.perf_counter()
+                y = swap(_sin_of_copy, x)
+                manager.synchronize()
+                _sync(device)
+                t1 = time.perf_counter()
+                y.sum().backward()
+                _sync(device)
+                t2 = time.perf_counter()
+            d2h, h2d = min(d2h, t1 - t0), min(h2d, t2 - t1)
+            del x, y
+        best[size] = (d2h, h2d)
+    small, large = sizes
+
+    def fit(i: int) -> CopyLink:
+        t_small, t_large = best[small][i], best[large][i]
+        per_byte = max(0.0, (t_large - t_small) / (large - small))
+        return CopyLink(max(0.0, t_small - per_byte * small), per_byte)
+
+    return fit(0), fit(1)
+
+
+def _fastest(runs: list[dict]) -> dict:
+    """Several steps of one strategy: bytes of the last one (they are deterministic), each
+    time the least over the steps (robust against other jobs on the machine)."""
+    out = dict(runs[-1])
+    out["costs"] = [LayerCost(c.kept_bytes, c.offload_bytes,
+                              min(r["costs"][k].forward_seconds for r in runs),
+                              min(r["costs"][k].backward_seconds for r in runs))
+                    for k, c in enumerate(runs[-1]["costs"])]
+    for key in ("step_seconds", "tail_seconds", "outside_seconds"):
+        out[key] = min(r[key] for r in runs)
+    return out
+
+
+def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *,
+                              layers=None, candidates=None,
+                              repeats: int = 2) -> ActivationProfile:
+    """Profiles ``step_fn`` under each candidate strategy (``repeats`` steps each, after
+    one warm-up step of ``"none"``) and measures the copy link.
+
+    Args:
+        model: the model whose layers will be planned (``nn.Module``).
+        step_fn: runs one forward and backward of the real training step, no optimizer
+            step. Gradients it accumulates are discarded: every parameter's ``.grad`` is
+            as it was before the call when this returns.
+        layers: which modules are the layers (as for :func:`apply_activation_memory`).
+        candidates: strategy names to profile (default :data:`DEFAULT_CANDIDATES`);
+            ``"none"`` is always profiled. Swapping strategies are dropped when the model
+            is on the host and CPU swap is off (nothing could be swapped).
+        repeats: measured steps per strategy (times: the least; default 2).
+
+    Returns:
+        An :class:`ActivationProfile`. Under ``torch.distributed`` every rank profiles and
+        all ranks get the worst figures of all ranks (largest bytes and times, slowest link).
+
+    Raises:
+        ValueError: for an unknown candidate or ``layers`` that match nothing.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hyper_parallel: profile_activation_memory expects an nn.Module, got "
+                        f"{type(model).__name__}")
+    if not callable(step_fn):
+        raise TypeError("hyper_parallel: step_fn must be a callable running one forward and "
+                        "backward, e.g. lambda: model(x).loss.backward()")
+    names = check_candidates(candidates)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"hyper_parallel: repeats must be an int >= 1, got {repeats!r}")
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    if not _can_swap(device):
+        names = [n for n in names if not STRATEGIES[n].swaps]
+    slots = resolve_layer_slots(model, layers)
+    layer_names = [s.name for s in slots]
+    previous = applied_report(model)
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    runs: dict[str, dict] = {}
+    try:
+        link_d2h = link_h2d = CopyLink(0.0, 0.0)
+        remove_activation_memory(model)
+        _run_step(step_fn, model, layer_names, device, params)  # warm-up
+        runs["none"] = _fastest([_run_step(step_fn, model, layer_names, device, params)
+                                 for _ in range(repeats)])
+        if any(STRATEGIES[n].swaps for n in names):
+            typical = max(c.kept_bytes for c in runs["none"]["costs"])
+            link_d2h, link_h2d = measure_copy_links(device, max(1 << 16, typical))
+        for name in names[1:]:
+            apply_activation_memory(model, name, layers=layer_names)
+            try:
+                SwapManager().reset_stats()
+                runs[name] = _fastest([_run_step(step_fn, model, layer_names, device, params)
+                                       for _ in range(repeats)])
+            finally:
+                remove_activation_memory(model)
+    finally:
+        remove_activation_memory(model)
+        for p, g in zip(params, grads):
+            p.grad = g
+        if previous is not None:
+            apply_activation_memory(model, previous.strategies(), layers=layer_names)
+    none = runs["none"]
+    profile = ActivationProfile(
+        layer_names=layer_names,
+        strategies=names,
+        costs={n: runs[n]["costs"] for n in names},
+        base_bytes=none["base_bytes"],
+        tail_bytes=none["tail_bytes"],
+        tail_seconds=none["tail_seconds"],
+        outside_seconds=none["outside_seconds"],
+        d2h=link_d2h,
+        h2d=link_h2d,
+        measured={n: {"peak_bytes": runs[n]["peak_bytes"],
+                      "step_seconds": runs[n]["step_seconds"]} for n in names},
+        output_bytes=none["output_bytes"],
+        device=str(device),
+    )
+    return _worst_over_ranks(profile, device)
+
+
+def _worst_over_ranks(profile: ActivationProfile, device: torch.device) -> ActivationProfile:
+    """Under torch.distributed: every figure becomes its maximum over the ranks (the
+    slowest link, the largest bytes and times), so that every rank plans from the same
+    numbers."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return profile
+    values: list[float] = [profile.base_bytes, profile.tail_bytes, profile.tail_seconds,
+                           profile.outside_seconds, profile.d2h.latency_seconds,
+                           profile.d2h.seconds_per_byte, profile.h2d.latency_seconds,
+                           profile.h2d.seconds_per_byte]
+    for name in profile.strategies:
+        for c in profile.costs[name]:
+            values += [c.kept_bytes, c.offload_bytes, c.forward_seconds, c.backward_seconds]
+        values += [profile.measured[name]["peak_bytes"], profile.measured[name]["step_seconds"]]
+    values += profile.output_bytes
+    on = device if dist.get_backend() != "gloo" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    v = iter(t.cpu().tolist())
+    profile.base_bytes, profile.tail_bytes = int(next(v)), int(next(v))
+    profile.tail_seconds, profile.outside_seconds = next(v), next(v)
+    profile.d2h = CopyLink(next(v), next(v))
+    profile.h2d = CopyLink(next(v), next(v))
+    for name in profile.strategies:
+        for c in profile.costs[name]:
+            c.kept_bytes, c.offload_bytes = int(next(v)), int(next(v))
+            c.forward_seconds, c.backward_seconds = next(v), next(v)
+        profile.measured[name] = {"peak_bytes": int(next(v)), "step_seconds": next(v)}
+    profile.output_bytes = [int(next(v)) for _ in profile.output_bytes]
+    profile.world_size = dist.get_world_size()
+    return profile

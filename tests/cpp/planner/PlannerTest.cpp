@@ -1,0 +1,239 @@
+#include "hyper_parallel/planner/Planner.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace hyper_parallel::planner {
+namespace {
+
+constexpr int64_t kMiB = 1 << 20;
+
+// A synthetic profile of `n` layers with four options shaped like the real strategies:
+// none (all kept), checkpoint (inputs kept, recompute), selective (inputs + matmul outputs
+// kept, less recompute) and swap (all offloaded). Bytes are whole MiB so that a grid of
+// 1 MiB is exact; times are random so optima are unique.
+StepProfile synthetic(size_t n, uint32_t seed, double copy_ratio) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> mib(4, 40);
+  std::uniform_real_distribution<double> jitter(0.8, 1.2);
+  StepProfile p;
+  p.options = {"none", "checkpoint", "selective", "swap"};
+  p.base_bytes = 2 * kMiB;
+  p.tail_bytes = 16 * kMiB;
+  p.outside_seconds = 0.01;
+  p.tail_seconds = 0.004 * jitter(rng);
+  p.d2h = CopyLink{1e-4, 0.0};
+  p.h2d = CopyLink{1e-4, 0.0};
+  double per_byte = 0.0;
+  for (size_t k = 0; k < n; ++k) {
+    const int64_t saved = mib(rng) * kMiB;
+    const int64_t inputs = std::max<int64_t>(kMiB, (saved / 8) / kMiB * kMiB);
+    const int64_t matmul = std::max<int64_t>(kMiB, (saved / 3) / kMiB * kMiB);
+    const double f = 0.01 * jitter(rng), b = 2 * f * jitter(rng);
+    p.layers.push_back({
+        OptionCost{saved, 0, f, b},
+        OptionCost{inputs, 0, f, b + f * jitter(rng)},
+        OptionCost{inputs + matmul, 0, f, b + 0.4 * f * jitter(rng)},
+        OptionCost{inputs, saved - inputs, f * 1.05, b * 1.02},
+    });
+    per_byte += copy_ratio * f / static_cast<double>(saved - inputs);
+  }
+  p.d2h.seconds_per_byte = p.h2d.seconds_per_byte = per_byte / static_cast<double>(n);
+  return p;
+}
+
+struct Best {
+  bool found = false;
+  double time = 0.0;
+  int64_t traffic = 0;
+  std::vector<int> assignment;
+};
+
+// Every assignment, evaluated by the event simulation.
+Best brute_force(const StepProfile& p, int64_t budget) {
+  const size_t n = p.num_layers(), s = p.num_options();
+  std::vector<int> a(n, 0);
+  Best best;
+  while (true) {
+    const Prediction pr = evaluate(p, a);
+    if (pr.peak_bytes <= budget) {
+      const double objective =
+          pr.step_seconds + kTrafficSecondsPerByte * static_cast<double>(pr.offload_bytes);
+      if (!best.found || objective < best.time) {
+        best = Best{true, objective, pr.offload_bytes, a};
+      }
+    }
+    size_t k = 0;
+    while (k < n && ++a[k] == static_cast<int>(s)) a[k++] = 0;
+    if (k == n) break;
+  }
+  return best;
+}
+
+int64_t peak_of(const StepProfile& p, int option) {
+  return evaluate(p, std::vector<int>(p.num_layers(), option)).peak_bytes;
+}
+
+TEST(PlannerTest, MatchesBruteForceOnSixLayersFourOptions) {
+  for (uint32_t seed = 1; seed <= 6; ++seed) {
+    for (double ratio : {0.5, 1.0, 2.0, 4.0}) {
+      const StepProfile p = synthetic(6, seed, ratio);
+      const int64_t none = peak_of(p, 0);
+      for (double fraction : {0.15, 0.25, 0.4, 0.6, 0.8, 1.0}) {
+        const int64_t budget = p.base_bytes + static_cast<int64_t>(
+            fraction * static_cast<double>(none - p.base_bytes)) / kMiB * kMiB;
+        // A grid of 1/16 MiB is exact for these bytes: the optimum must be the brute force's.
+        const Planner exact(p, static_cast<int>((budget - p.base_bytes) / kMiB) * 16);
+        const PlanResult got = exact.solve(budget);
+        const Best want = brute_force(p, budget);
+        SCOPED_TRACE("seed " + std::to_string(seed) + " ratio " + std::to_string(ratio) +
+                     " fraction " + std::to_string(fraction));
+        ASSERT_EQ(got.feasible, want.found);
+        if (!want.found) continue;
+        EXPECT_LE(got.prediction.peak_bytes, budget);
+        const double objective =
+            got.prediction.step_seconds +
+            kTrafficSecondsPerByte * static_cast<double>(got.prediction.offload_bytes);
+        EXPECT_NEAR(objective, want.time, 1e-12 * want.time);
+        EXPECT_EQ(got.prediction.offload_bytes, want.traffic);
+      }
+    }
+  }
+}
+
+TEST(PlannerTest, LargerBudgetIsNeverSlower) {
+  const StepProfile p = synthetic(12, 7, 1.5);
+  const Planner planner(p);
+  const int64_t none = peak_of(p, 0);
+  double previous = std::numeric_limits<double>::infinity();
+  bool any = false;
+  for (int i = 1; i <= 40; ++i) {
+    const PlanResult r = planner.solve(none * i / 40);
+    if (!r.feasible) {
+      EXPECT_FALSE(any) << "budget " << i << "/40 infeasible after a smaller one was feasible";
+      continue;
+    }
+    any = true;
+    EXPECT_LE(r.prediction.peak_bytes, none * i / 40);
+    EXPECT_LE(r.prediction.step_seconds, previous * (1 + 1e-12));
+    previous = r.prediction.step_seconds;
+  }
+  EXPECT_TRUE(any);
+  // With the whole "none" peak available, nothing needs to change.
+  const PlanResult all = planner.solve(none);
+  EXPECT_EQ(all.assignment, std::vector<int>(12, 0));
+}
+
+TEST(PlannerTest, MinPeakIsReachableAndNothingSmallerIs) {
+  const StepProfile p = synthetic(6, 3, 1.0);
+  const Planner planner(p, 4096);
+  const PlanResult low = planner.min_peak();
+  ASSERT_TRUE(low.feasible);
+  int64_t true_min = std::numeric_limits<int64_t>::max();
+  std::vector<int> a(6, 0);
+  for (int code = 0; code < 4096; ++code) {
+    for (int k = 0, c = code; k < 6; ++k, c /= 4) a[k] = c % 4;
+    true_min = std::min(true_min, evaluate(p, a).peak_bytes);
+  }
+  // Found on a grid of upper-bound / 4096 bytes: within one quantum of the true minimum.
+  EXPECT_GE(low.prediction.peak_bytes, true_min);
+  EXPECT_LE(low.prediction.peak_bytes - true_min, peak_of(p, 0) / 1000);
+  EXPECT_FALSE(planner.solve(true_min - 1).feasible);
+}
+
+TEST(PlannerTest, StallsWhenCopiesOutgrowTheirWindows) {
+  // Two layers swap; with a slow link the D2H backlog delays the first reload.
+  StepProfile p;
+  p.options = {"none", "swap"};
+  p.layers = {{OptionCost{10, 0, 1.0, 2.0}, OptionCost{0, 10, 1.0, 2.0}},
+              {OptionCost{10, 0, 1.0, 2.0}, OptionCost{0, 10, 1.0, 2.0}},
+              {OptionCost{10, 0, 1.0, 2.0}, OptionCost{0, 10, 1.0, 2.0}}};
+  p.d2h = CopyLink{0.0, 0.5};  // 5 s per layer
+  p.h2d = CopyLink{0.0, 0.1};  // 1 s per layer
+  // Forward ends at 3; D2H of L0 runs 1..6, of L1 6..11; L2's backward starts at 3 and
+  // ends at 5; L1's reload waits for its D2H: 11..12; L1 backward 12..14; L0's reload
+  // 12..13 hides under it; L0 backward 14..16.
+  const Prediction pr = evaluate(p, {1, 1, 1});
+  EXPECT_DOUBLE_EQ(pr.step_seconds, 16.0);
+  EXPECT_DOUBLE_EQ(pr.stall_seconds, 7.0);
+  EXPECT_EQ(pr.offload_bytes, 20);  // the last layer keeps its bytes
+  // Peak: end of L2's forward holds L2's 10 bytes; L1's backward start holds L1 and the
+  // prefetched L0.
+  EXPECT_EQ(pr.peak_bytes, 20);
+  EXPECT_TRUE(pr.peak_in_backward);
+  const Prediction none = evaluate(p, {0, 0, 0});
+  EXPECT_DOUBLE_EQ(none.step_seconds, 9.0);
+  EXPECT_EQ(none.peak_bytes, 30);
+  // Under a 20-byte budget only L0 may swap (swapping L1 puts L2 and the prefetched L1
+  // at 30 bytes at L2's backward start): D2H 1..6, L2's backward 3..5, the reload of L0
+  // waits for its D2H (6..7) as long as L1's backward (5..7) runs: no stall, 9 s.
+  // (Swapping L2 too is the same plan: the last layer keeps its bytes.)
+  const Planner planner(p, 64);
+  const PlanResult r = planner.solve(20);
+  ASSERT_TRUE(r.feasible);
+  EXPECT_EQ(r.assignment[0], 1);
+  EXPECT_EQ(r.assignment[1], 0);
+  EXPECT_DOUBLE_EQ(r.prediction.step_seconds, 9.0);
+  EXPECT_EQ(r.prediction.peak_bytes, 20);
+  EXPECT_FALSE(planner.solve(19).feasible);
+}
+
+TEST(PlannerTest, HundredLayers) {
+  // Copies at half the forward time: the regime where swap is worth it.
+  StepProfile p = synthetic(100, 11, 0.5);
+  p.options = {"none", "checkpoint", "selective", "swap", "selective_swap", "checkpoint_swap"};
+  for (auto& layer : p.layers) {
+    const OptionCost sel = layer[2], ck = layer[1];
+    layer.push_back(OptionCost{ck.kept_bytes, sel.kept_bytes - ck.kept_bytes,
+                               sel.forward_seconds, sel.backward_seconds});
+    layer.push_back(OptionCost{0, ck.kept_bytes, ck.forward_seconds, ck.backward_seconds});
+  }
+  const Planner planner(p);
+  const int64_t none = peak_of(p, 0);
+  const auto start = std::chrono::steady_clock::now();
+  const PlanResult r = planner.solve(none / 4);
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(r.feasible);
+  EXPECT_LE(r.prediction.peak_bytes, none / 4);
+  // Generous for a shared CI machine.
+  EXPECT_LT(ms, 5000.0);
+  std::printf("[planner] 100 layers x 6 options, byte grid 1024: %.1f ms\n", ms);
+}
+
+TEST(PlannerTest, RejectsBadInput) {
+  StepProfile p = synthetic(3, 1, 1.0);
+  p.layers[1].pop_back();
+  EXPECT_THROW(Planner{p}, c10::ValueError);
+  p = synthetic(3, 1, 1.0);
+  p.layers[0][0].forward_seconds = -1.0;
+  EXPECT_THROW(Planner{p}, c10::ValueError);
+  p = synthetic(3, 1, 1.0);
+  EXPECT_THROW(evaluate(p, {0, 0}), c10::ValueError);
+  EXPECT_THROW(evaluate(p, {0, 0, 9}), c10::ValueError);
+  const Planner planner(p);
+  EXPECT_THROW(planner.solve(1 << 30, {1, 1}), c10::ValueError);
+  EXPECT_THROW(planner.solve(1 << 30, {1, 0, 1}), c10::ValueError);
+  // A budget below the bytes held outside the layers can never be met.
+  EXPECT_FALSE(planner.solve(p.base_bytes).feasible);
+}
+
+TEST(PlannerTest, AllowedMasksRestrictOptions) {
+  const StepProfile p = synthetic(6, 5, 1.0);
+  const Planner planner(p);
+  const int64_t none = peak_of(p, 0);
+  // Only none or checkpoint: no swap chosen whatever the budget.
+  const PlanResult r = planner.solve(none / 2, std::vector<uint64_t>(6, 0b0011));
+  ASSERT_TRUE(r.feasible);
+  for (int o : r.assignment) EXPECT_LE(o, 1);
+  EXPECT_EQ(r.prediction.offload_bytes, 0);
+}
+
+}  // namespace
+}  // namespace hyper_parallel::planner

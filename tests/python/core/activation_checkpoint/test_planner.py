@@ -1,0 +1,167 @@
+"""The planner end to end on a small model: profile, plan, apply, train.
+
+The optimizer itself is checked against brute force in tests/cpp/planner/PlannerTest.cpp;
+here: the Python plan object, the infeasible-budget error, JSON, and that an applied plan
+meets its budget as the library's meter measures it and trains like "none".
+"""
+
+import json
+
+import pytest
+import torch
+
+from hyper_parallel.core.activation_checkpoint import (
+    ActivationPlan,
+    InfeasibleBudgetError,
+    SwapManager,
+    apply_activation_memory,
+    parse_budget,
+    plan_activation_memory,
+    profile_activation_memory,
+    remove_activation_memory,
+    saved_activation_memory,
+)
+from hyper_parallel.core.activation_checkpoint._planner import predict
+
+from ._models import Stack, assert_bitwise, grads, twin
+
+
+def _setup(layers=4, d=32):
+    torch.manual_seed(0)
+    SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)
+    model = Stack(layers=layers, d=d)
+    x = torch.randn(8, 16, d)
+    return model, x
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    model, x = _setup()
+    SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)
+    prof = profile_activation_memory(model, lambda: model(x).backward())
+    SwapManager().set_cpu_swap(False, delay_ns_per_byte=0.0)
+    return model, x, prof
+
+
+def _measure(model, x):
+    with saved_activation_memory() as meter:
+        model(x).backward()
+    SwapManager().synchronize()
+    return meter.peak_bytes
+
+
+def test_profile_restores_grads_and_model(profiled):
+    model, x, prof = profiled
+    assert all(p.grad is None for p in model.parameters())
+    assert all(type(layer).__name__ == "Block" for layer in model.layers)
+    assert prof.layer_names == [f"layers.{i}" for i in range(4)]
+    assert prof.strategies[0] == "none" and "checkpoint_swap" in prof.strategies
+    # Checkpoint keeps only its inputs; selective keeps more (its matmul outputs).
+    for c, s, n in zip(prof.costs["checkpoint"], prof.costs["selective"], prof.costs["none"]):
+        assert c.kept_bytes < s.kept_bytes < n.kept_bytes
+    assert all(m > 0 for m in prof.matmul_bytes)
+    # The profiled uniform plans are predicted at their measured peaks (the model's
+    # figures come from those steps).
+    for name in ("none", "checkpoint", "selective"):
+        assert predict(prof, [name] * 4)["peak_bytes"] == prof.measured[name]["peak_bytes"]
+
+
+def test_profile_keeps_user_grads():
+    model, x = _setup(layers=2)
+    model(x).backward()
+    before = grads(model)
+    profile_activation_memory(model, lambda: model(x).backward(), candidates=["checkpoint"])
+    assert_bitwise(before, [p.grad for p in model.parameters()])
+
+
+def test_plan_meets_budget_when_applied(profiled):
+    model, x, prof = profiled
+    none_peak = prof.none_peak_bytes
+    previous = None
+    for fraction in (0.9, 0.6, 0.35):
+        plan = prof.plan(int(fraction * none_peak))
+        assert plan.predicted_peak_bytes <= plan.budget_bytes
+        # A smaller budget never gives a faster plan.
+        if previous is not None:
+            assert plan.predicted_step_seconds >= previous.predicted_step_seconds * (1 - 1e-9)
+        previous = plan
+        SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)
+        try:
+            apply_activation_memory(model, plan)
+            measured = _measure(model, x)
+        finally:
+            remove_activation_memory(model)
+            for p in model.parameters():
+                p.grad = None
+        assert measured <= plan.budget_bytes, (fraction, measured, plan.explain())
+
+
+def test_swap_only_plan_trains_bitwise_like_none(profiled):
+    model, x, prof = profiled
+    plan = prof.plan(int(0.8 * prof.none_peak_bytes), candidates=["none", "swap"])
+    assert "swap" in plan.strategies.values()
+    reference = twin(model)
+    reference(x).backward()
+    SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)
+    apply_activation_memory(model, plan)
+    try:
+        model(x).backward()
+        SwapManager().synchronize()
+        assert SwapManager().stats()["offload_bytes"] > 0
+        assert_bitwise(grads(reference), grads(model))
+    finally:
+        remove_activation_memory(model)
+        for p in model.parameters():
+            p.grad = None
+
+
+def test_infeasible_budget_names_smallest_peak(profiled):
+    _, _, prof = profiled
+    with pytest.raises(InfeasibleBudgetError, match="hyper_parallel: no plan") as err:
+        prof.plan(1024)
+    e = err.value
+    assert e.min_peak_bytes > 1024
+    assert e.plan.predicted_peak_bytes == e.min_peak_bytes
+    assert str(e.min_peak_bytes) in str(e)
+    # That peak is reachable: planning for it succeeds.
+    assert prof.plan(e.min_peak_bytes).predicted_peak_bytes <= e.min_peak_bytes
+
+
+def test_json_round_trip(profiled):
+    _, _, prof = profiled
+    plan = prof.plan(int(0.5 * prof.none_peak_bytes))
+    again = ActivationPlan.from_json(plan.to_json())
+    assert again == plan
+    assert "layers.0" in again.explain() and "predicted peak" in again.explain()
+    bad = json.loads(plan.to_json())
+    bad["strategies"]["layers.0"] = "teleport"
+    with pytest.raises(ValueError, match="hyper_parallel: .*unknown strategies"):
+        ActivationPlan.from_json(json.dumps(bad))
+    with pytest.raises(ValueError, match="hyper_parallel: not an ActivationPlan"):
+        ActivationPlan.from_json("{}")
+
+
+def test_plan_activation_memory_one_call():
+    model, x = _setup(layers=3)
+    plan = plan_activation_memory(model, lambda: model(x).backward(), 0.5,
+                                  candidates=["none", "checkpoint"])
+    assert set(plan.strategies.values()) <= {"none", "checkpoint"}
+    assert plan.predicted_peak_bytes <= plan.budget_bytes == int(0.5 * plan.none_peak_bytes)
+
+
+def test_parse_budget():
+    assert parse_budget("300MiB") == 300 << 20
+    assert parse_budget("2GB") == 2 * 10**9
+    assert parse_budget("0.4", 1000) == 400
+    assert parse_budget(12345) == 12345
+    for bad in ("lots", "-3MiB", "3 parsecs", True):
+        with pytest.raises(ValueError, match="hyper_parallel:"):
+            parse_budget(bad)
+    with pytest.raises(ValueError, match="needs none's measured peak"):
+        parse_budget("0.4")
+
+
+def test_bad_candidates():
+    model, x = _setup(layers=2)
+    with pytest.raises(ValueError, match="hyper_parallel: candidate 'mixed'"):
+        profile_activation_memory(model, lambda: model(x).backward(), candidates=["mixed"])
