@@ -2,28 +2,56 @@
 
 Recompute (``checkpoint``, ``checkpoint_sequential``, ``checkpoint_wrapper``, per-op
 ``CheckpointPolicy``, ``create_selective_checkpoint_contexts`` for torch's checkpoint), swap
-(``swap``, ``swap_wrapper``, ``swap_tensor_wrapper``, ``SwapManager``) or both.
+(``swap``, ``swap_wrapper``, ``swap_tensor_wrapper``, ``SwapManager``) or both; exclusion
+regions (``checkpoint_exclude_wrapper``) and scheduled recompute (``recompute_handle``,
+``recompute_session_ctx``) for pipeline schedules.
 """
 
+from torch.utils.checkpoint import CheckpointError
+
+from ._async_save import AsyncSaveOnCpu, async_save_on_cpu
 from ._checkpoint import CheckpointWrapper, checkpoint, checkpoint_sequential, checkpoint_wrapper
+from ._exclude import CheckpointExcludeWrapper, checkpoint_exclude_wrapper
+from ._host_pool import PinnedMemoryPool
+from ._ignored_ops import ignore_sac_ops
 from ._memory import SavedActivationMeter, saved_activation_memory
 from ._policy import CheckpointPolicy
+from ._recompute_state import RecomputeState, get_recompute_state, is_recomputing
+from ._scheduled import (RecomputeHandle, clear_recompute_session, recompute_handle,
+                         recompute_handle_collector_ctx, recompute_session_ctx)
 from ._selective import SelectiveCheckpointContext, create_selective_checkpoint_contexts
 from ._swap import swap, swap_tensor_wrapper
-from ._swap_manager import SwapManager
-from ._wrappers import SwapWrapper, swap_wrapper
+from ._swap_manager import SwapGroupError, SwapManager
+from ._wrappers import ActivationWrapper, SwapWrapper, swap_wrapper
 
 __all__ = [
+    "ActivationWrapper",
+    "AsyncSaveOnCpu",
+    "CheckpointError",
+    "CheckpointExcludeWrapper",
     "CheckpointPolicy",
     "CheckpointWrapper",
+    "PinnedMemoryPool",
+    "RecomputeHandle",
+    "RecomputeState",
     "SavedActivationMeter",
     "SelectiveCheckpointContext",
+    "SwapGroupError",
     "SwapManager",
     "SwapWrapper",
+    "async_save_on_cpu",
     "checkpoint",
+    "checkpoint_exclude_wrapper",
     "checkpoint_sequential",
     "checkpoint_wrapper",
+    "clear_recompute_session",
     "create_selective_checkpoint_contexts",
+    "get_recompute_state",
+    "ignore_sac_ops",
+    "is_recomputing",
+    "recompute_handle",
+    "recompute_handle_collector_ctx",
+    "recompute_session_ctx",
     "saved_activation_memory",
     "swap",
     "swap_tensor_wrapper",

@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_flatten
 from hyper_parallel._extension import _C
 
 from . import _compile
+from ._host_pool import native_pool
 from ._region import SWAP_ALL, Region, in_backward, in_checkpoint_forward
 from ._swap_manager import SwapManager, layer_node
 
@@ -62,7 +63,7 @@ def resolve_layer(function, with_state: bool = True):
     return node, name, (module_state_tensors(state) if with_state else [])
 
 
-def swap(function, *args, policy_fn=None, group_swap=False, **kwargs):
+def swap(function, *args, policy_fn=None, group_swap=False, cpu_pool=None, **kwargs):
     """Runs ``function(*args, **kwargs)`` and swaps the tensors it saves for backward.
 
     Saved activations are offloaded to host memory (D2H on a side stream) after the
@@ -80,14 +81,19 @@ def swap(function, *args, policy_fn=None, group_swap=False, **kwargs):
             are never swapped, SPEC 4.4).
         group_swap: fuse tensors under the bucket threshold (32 MiB by default) into few
             large copies, one D2H and one H2D per bucket.
+        cpu_pool: a :class:`PinnedMemoryPool` whose capped host memory holds the
+            swapped tensors (``None``: the engine's pool). ``function`` cannot take a
+            keyword argument named ``policy_fn``, ``group_swap`` or ``cpu_pool``.
 
     Returns:
         Whatever ``function`` returns.
 
     Raises:
         ValueError: when ``policy_fn`` returns anything but MUST_SAVE / MUST_SWAP.
+        TypeError: when ``cpu_pool`` is not a PinnedMemoryPool.
+        RuntimeError: when ``cpu_pool`` is full (the message names its cap).
     """
-    region = swap_region(function, policy_fn, group_swap)
+    region = swap_region(function, policy_fn, group_swap, cpu_pool)
     if region is None:
         return function(*args, **kwargs)
     with region:
@@ -96,21 +102,23 @@ def swap(function, *args, policy_fn=None, group_swap=False, **kwargs):
     return out
 
 
-def swap_region(function, policy_fn=None, group_swap=False) -> Region | None:
+def swap_region(function, policy_fn=None, group_swap=False, cpu_pool=None) -> Region | None:
     """The (not yet entered) swap region of one call of ``function``, or ``None`` when
-    the call runs plainly: in recompute or without grad."""
+    the call runs plainly: in recompute or without grad. ``cpu_pool``: a
+    PinnedMemoryPool or None (checked even when the call runs plainly)."""
     SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP on first use
+    pool = native_pool(cpu_pool)
     if in_backward() or not torch.is_grad_enabled():
         return None
     node, name, excluded = resolve_layer(function)
     return Region(node.layer_id if node is not None else -1, name, SWAP_ALL, policy_fn,
-                  group_swap, excluded)
+                  group_swap, excluded, cpu_pool=pool)
 
 
 _warned_outside = False
 
 
-def swap_tensor_wrapper(target, tag=None, group_swap=False):
+def swap_tensor_wrapper(target, tag=None, group_swap=False, cpu_pool=None):
     """Registers the tensors in ``target`` with the current swap group; returns ``target``.
 
     Call it inside a layer's forward (a swap/checkpoint region, a wrapper, or a module
@@ -122,6 +130,8 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False):
         target: a tensor or a nested container (tuple, list, dict) of tensors.
         tag: a label for debugging; not used for scheduling.
         group_swap: fuse the group's small tensors into few large copies.
+        cpu_pool: a :class:`PinnedMemoryPool` for the host blocks of the tensors
+            registered from now on in the current group (``None``: keep the group's).
 
     Returns:
         ``target`` unchanged (the same objects).
@@ -135,6 +145,7 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False):
         _compile.warn_registration_not_compiled()
         return target
     SwapManager()
+    pool = native_pool(cpu_pool)
     if in_backward() or not torch.is_grad_enabled() or in_checkpoint_forward():
         # Recompute, inference, or inside a checkpoint's forward (the tensor is recomputed
         # in backward, so keeping it for a swap would only cost a copy).
@@ -153,6 +164,8 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False):
         return target
     if group_swap:
         _C.set_group_swap(group, True)
+    if pool is not None:
+        _C.set_group_pool(group, pool)
     for t in tree_flatten(target)[0]:
         if isinstance(t, torch.Tensor):
             _C.register_tensor(t)

@@ -213,15 +213,15 @@ def test_use_reentrant_false_is_accepted():
     assert_same(torch.autograd.grad(out.pow(2).sum(), [x, *lin.parameters()]), ref)
 
 
-def test_use_reentrant_true_is_a_clear_error():
+def test_use_reentrant_true_with_our_options_is_a_clear_error():
     lin = nn.Linear(D, D)
     x = torch.randn(3, D, requires_grad=True)
+    with pytest.raises(ValueError, match="^hyper_parallel: use_reentrant=True .*policy_fn"):
+        checkpoint(lin, x, use_reentrant=True, policy_fn=[torch.ops.aten.addmm])
+    with torch.no_grad(), pytest.raises(ValueError, match="^hyper_parallel: .*swap_inputs"):
+        checkpoint(lin, x, use_reentrant=True, swap_inputs=True)
     with pytest.raises(ValueError, match="^hyper_parallel: .*non-reentrant"):
-        checkpoint(lin, x, use_reentrant=True)
-    with torch.no_grad(), pytest.raises(ValueError, match="^hyper_parallel: "):
-        checkpoint(lin, x, use_reentrant=True)
-    with pytest.raises(ValueError, match="^hyper_parallel: .*non-reentrant"):
-        checkpoint_wrapper(lin, use_reentrant=True)
+        checkpoint_wrapper(lin, use_reentrant=True, early_stop=False)
 
 
 def test_checkpoint_wrapper_accepts_torch_options():
