@@ -375,3 +375,24 @@ def test_context_fn_good_result_runs_both_contexts(with_policy):
         got = torch.autograd.grad(out.pow(2).sum(), [x, *lin.parameters()])
         assert_same(got, ref)
         assert entered == ["forward", "recompute"]
+
+
+def test_use_reentrant_true_delegates_to_torchs_reentrant_checkpoint():
+    torch.manual_seed(0)
+    lin = nn.Sequential(nn.Linear(D, D), nn.Dropout(0.5), nn.Tanh())
+    x = torch.randn(3, D, requires_grad=True)
+    torch.manual_seed(1)
+    want = lin(x)
+    want.sum().backward()
+    want_grads = [x.grad.clone()] + [p.grad.clone() for p in lin.parameters()]
+    x.grad = None
+    lin.zero_grad()
+    torch.manual_seed(1)
+    out = checkpoint(lin, x, use_reentrant=True)
+    assert type(out.grad_fn).__name__ == "CheckpointFunctionBackward"  # torch's frame
+    out.sum().backward()
+    assert torch.equal(out, want)
+    for a, b in zip([x.grad] + [p.grad for p in lin.parameters()], want_grads):
+        assert torch.equal(a, b)
+    wrapped = checkpoint_wrapper(lin, use_reentrant=True)
+    assert type(wrapped(x).grad_fn).__name__ == "CheckpointFunctionBackward"
