@@ -407,11 +407,6 @@ def call_context_fn(context_fn):
     return tuple(res)
 
 
-def checked_context_fn(context_fn):
-    """A ``context_fn`` for torch's frame that checks what the user's one returns."""
-    return functools.partial(call_context_fn, context_fn)
-
-
 def _new_cache(table, allow_cache_entry_mutation=False):
     """The C++ state of one region invocation (a seam for tests to observe caches)."""
     return _C.SacCache(table, allow_cache_entry_mutation)
