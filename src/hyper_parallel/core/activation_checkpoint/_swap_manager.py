@@ -277,7 +277,7 @@ class SwapManager:
 
     def unregister_forward_prefetch_hooks(self, module) -> None:
         """Removes the schedule hooks (and chain links) of ``module`` and every submodule;
-        the same as :meth:`unregister` (the name the reference uses)."""
+        the reference's name for :meth:`unregister`, which is the documented one."""
         self.unregister(module)
 
     def _unregister_objs(self, objs) -> None:
@@ -422,7 +422,9 @@ class SwapManager:
 
     def ensure_group(self, name: str):
         """The live swap group named ``name``, created (an empty manual group, as
-        :meth:`group_context` makes) when there is none; returns it."""
+        :meth:`group_context` makes) when there is none; returns it. For the reference's
+        call shape; prefer :meth:`group_context`, which also makes the group current so
+        that ``swap_tensor_wrapper`` registers into it."""
         name = str(name)
         group = _C.find_group(name)
         if group is None:
@@ -451,7 +453,9 @@ class SwapManager:
         reference calls it at the end of each layer's backward for groups that never went
         through a load). Here a group already lives only as long as the saved tensors
         that need it, so this only forgets a manual group kept alive by its name; the
-        tensors are not touched. Unknown names are ignored, as in the reference."""
+        tensors are not touched. Unknown names are ignored, as in the reference. Not
+        needed with hyper_parallel's own schedule; :meth:`abort_group` is the call that
+        gives a manual group up."""
         _C.forget_group(str(name))
 
     def active_group_count(self) -> int:
