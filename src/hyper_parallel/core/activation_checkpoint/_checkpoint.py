@@ -287,6 +287,12 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     """
     if _compile.is_compiling():
         # Traced by dynamo: torch's compiled checkpoint, our policy as its contexts.
+        if use_reentrant:
+            raise ValueError(
+                "hyper_parallel: a checkpoint region traced by torch.compile is always "
+                "non-reentrant (torch's compiled checkpoint); use_reentrant=True is not "
+                "supported there. Pass use_reentrant=False, or compile the block inside "
+                "the checkpoint instead.")
         _torch_options(use_reentrant, preserve_rng_state, determinism_check, debug,
                        early_stop, policy_fn is not None or context_fn is not None)
         return _compile.checkpoint(
