@@ -305,6 +305,41 @@ void bind_swap(py::module_& m) {
         }
       }, py::arg("tensors"), "Never swap the storages of these tensors in this invocation.");
 
+  py::class_<HostBufferPool, std::shared_ptr<HostBufferPool>>(m, "HostPool",
+      "A host buffer pool of its own, capped at max_host_bytes (PinnedMemoryPool).")
+      .def(py::init([](int64_t max_host_bytes) {
+             return HostBufferPool::create(/*pinned=*/false, /*max_cached_bytes=*/max_host_bytes,
+                                           max_host_bytes);
+           }), py::arg("max_host_bytes"))
+      .def_property_readonly("max_host_bytes", &HostBufferPool::max_host_bytes)
+      .def_property_readonly("pinned", &HostBufferPool::pinned)
+      .def("stats", [](HostBufferPool& pool) {
+        const HostBufferPoolStats st = pool.stats();
+        py::dict d;
+        d["bytes_in_use"] = st.bytes_in_use;
+        d["bytes_pending"] = st.bytes_pending;
+        d["bytes_cached"] = st.bytes_cached;
+        d["allocations"] = st.allocations;
+        d["reuses"] = st.reuses;
+        d["cap_waits"] = st.cap_waits;
+        return d;
+      })
+      .def("empty_cache", &HostBufferPool::empty_cache)
+      .def("acquire_for_test", [](HostBufferPool& pool, size_t nbytes) {
+        // A block held by the returned capsule-like object until it is dropped (tests).
+        return std::shared_ptr<HostBlock>(pool.acquire(nbytes));
+      }, py::arg("nbytes"), py::call_guard<py::gil_scoped_release>());
+  py::class_<HostBlock, std::shared_ptr<HostBlock>>(m, "HostBlock")
+      .def_property_readonly("capacity", &HostBlock::capacity);
+  m.def("set_group_pool", [](SwapGroup& g, std::shared_ptr<HostBufferPool> pool) {
+    g.host_pool = std::move(pool);
+  }, py::arg("group"), py::arg("pool"), "Host pool of the records this group adds.");
+  m.def("find_group", [](const std::string& n) { return engine().find_group(n); },
+        "The live group named n, or None (also for a name never used).");
+  m.def("knows_group", [](const std::string& n) { return engine().knows_group(n); });
+  m.def("forget_group", [](const std::string& n) { engine().forget_group(n); });
+  m.def("live_group_count", [] { return engine().live_group_count(); });
+
   py::class_<PackHook>(m, "PackHook")
       .def(py::init<PackMode, py::object>(), py::arg("mode"), py::arg("policy_fn") = py::none())
       .def("__call__", &PackHook::operator(), py::arg("tensor"))

@@ -11,8 +11,12 @@ HostBlock::HostBlock(std::shared_ptr<HostBufferPool> pool, at::Tensor buffer, si
 
 HostBlock::~HostBlock() { pool_->give_back(std::move(buffer_), size_class_, std::move(last_use_)); }
 
-std::shared_ptr<HostBufferPool> HostBufferPool::create(bool pinned, int64_t max_cached_bytes) {
-  return std::shared_ptr<HostBufferPool>(new HostBufferPool(pinned, max_cached_bytes));
+std::shared_ptr<HostBufferPool> HostBufferPool::create(bool pinned, int64_t max_cached_bytes,
+                                                       int64_t max_host_bytes) {
+  HP_CHECK_VALUE(max_host_bytes >= 0, "a host pool cap must be >= 0 bytes (0: no cap), got ",
+                 max_host_bytes);
+  return std::shared_ptr<HostBufferPool>(
+      new HostBufferPool(pinned, max_cached_bytes, max_host_bytes));
 }
 
 size_t HostBufferPool::size_class(size_t nbytes) {
@@ -28,29 +32,62 @@ size_t HostBufferPool::size_class(size_t nbytes) {
 
 std::unique_ptr<HostBlock> HostBufferPool::acquire(size_t nbytes) {
   const size_t cls = size_class(nbytes);
+  const auto bytes = static_cast<int64_t>(cls);
   at::Tensor buffer;
   bool pinned;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    promote_completed_locked();
-    auto it = free_.find(cls);
-    if (it != free_.end()) {
-      buffer = std::move(it->second);
-      free_.erase(it);
-      stats_.bytes_cached -= static_cast<int64_t>(cls);
-      stats_.reuses += 1;
+  for (;;) {
+    std::vector<CopyEventPtr> wait_on;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      promote_completed_locked();
+      pinned = pinned_;
+      auto it = free_.find(cls);
+      if (it != free_.end()) {
+        buffer = std::move(it->second);
+        free_.erase(it);
+        stats_.bytes_cached -= bytes;
+        stats_.reuses += 1;
+        stats_.bytes_in_use += bytes;
+        break;
+      }
+      if (max_host_bytes_ > 0) {
+        // Make room under the cap: drop cached blocks (largest first), then wait for
+        // the pending ones; only blocks in use cannot be reclaimed.
+        auto held = [&] { return stats_.bytes_in_use + stats_.bytes_pending + stats_.bytes_cached; };
+        while (held() + bytes > max_host_bytes_ && !free_.empty()) {
+          auto last = std::prev(free_.end());
+          stats_.bytes_cached -= static_cast<int64_t>(last->first);
+          free_.erase(last);
+        }
+        if (held() + bytes > max_host_bytes_) {
+          HP_CHECK(!pending_.empty(), "host pool full: a block of ", bytes,
+                   " bytes does not fit under the pool's cap of ", max_host_bytes_,
+                   " bytes (max_host_bytes), because ", stats_.bytes_in_use,
+                   " bytes hold offloaded activations that have not been reloaded yet. "
+                   "Raise max_host_bytes of this PinnedMemoryPool, swap fewer layers into "
+                   "it, or run the backward that reloads them before the next forward.");
+          for (const auto& p : pending_) wait_on.push_back(p.last_use);
+          stats_.cap_waits += 1;
+        }
+      }
+      if (wait_on.empty()) {
+        stats_.bytes_in_use += bytes;  // reserved before allocating (other threads see it)
+        stats_.allocations += 1;
+        break;
+      }
     }
-    pinned = pinned_;
+    for (const auto& e : wait_on) e->synchronize();  // then retry: they are reusable now
   }
   if (!buffer.defined()) {
-    buffer = at::empty({static_cast<int64_t>(cls)},
-                       at::TensorOptions().dtype(at::kByte).device(at::kCPU).pinned_memory(pinned));
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_.allocations += 1;
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_.bytes_in_use += static_cast<int64_t>(cls);
+    try {
+      buffer = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCPU)
+                                      .pinned_memory(pinned));
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.bytes_in_use -= bytes;
+      stats_.allocations -= 1;
+      throw;
+    }
   }
   return std::make_unique<HostBlock>(shared_from_this(), std::move(buffer), cls);
 }

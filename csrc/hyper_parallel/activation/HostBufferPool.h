@@ -13,6 +13,12 @@
 // allocations() stops growing after warm-up. Cached (free) bytes above `max_cached_bytes`
 // are released to the system.
 //
+// Cap (`max_host_bytes`, 0 = none): the bytes the pool holds from the system (in use +
+// pending + cached) never exceed it. An acquire() that does not fit first drops cached
+// blocks, then waits for pending blocks (their last copy) and reuses or drops them; when
+// the blocks in use alone leave no room, it throws c10::Error naming the cap. A pool per
+// purpose (PinnedMemoryPool in Python) bounds the host memory of the activations it holds.
+//
 // Thread-safety: all methods are thread-safe (one internal mutex, never held while
 // calling out, except the allocator).
 
@@ -35,6 +41,7 @@ struct HostBufferPoolStats {
   int64_t bytes_cached = 0;    // free, ready for reuse
   int64_t allocations = 0;     // blocks ever allocated from the system
   int64_t reuses = 0;          // acquire() satisfied from the free list
+  int64_t cap_waits = 0;       // acquire() waited for pending blocks to fit under the cap
 };
 
 class HostBufferPool;
@@ -63,11 +70,15 @@ class HostBlock {
 class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
  public:
   // `pinned`: allocate page-locked memory (requires an accelerator backend in torch).
+  // `max_host_bytes`: cap on the bytes held from the system (0: no cap).
   static std::shared_ptr<HostBufferPool> create(bool pinned,
-                                                int64_t max_cached_bytes = int64_t{8} << 30);
+                                                int64_t max_cached_bytes = int64_t{8} << 30,
+                                                int64_t max_host_bytes = 0);
 
   // Returns a block of at least `nbytes` (> 0) bytes. Throws c10::Error when the system
-  // allocation fails.
+  // allocation fails, or when the block cannot fit under the cap even after every pending
+  // block was waited for (the blocks in use are held by offloaded activations). May block
+  // the calling thread on copy events (never while holding the pool lock).
   std::unique_ptr<HostBlock> acquire(size_t nbytes);
 
   // Size class for a request of `nbytes`.
@@ -77,6 +88,7 @@ class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
   // Drops every free block (pending ones stay until their copies end).
   void empty_cache();
   bool pinned() const { return pinned_; }
+  int64_t max_host_bytes() const { return max_host_bytes_; }
   void set_pinned(bool pinned);
   // fork(): the engine's prepare handler takes the pool lock so that the child inherits it
   // unlocked and consistent (SwapEngine, "fork"); both sides release it after the fork.
@@ -85,8 +97,8 @@ class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
 
  private:
   friend class HostBlock;
-  HostBufferPool(bool pinned, int64_t max_cached_bytes)
-      : pinned_(pinned), max_cached_bytes_(max_cached_bytes) {}
+  HostBufferPool(bool pinned, int64_t max_cached_bytes, int64_t max_host_bytes)
+      : pinned_(pinned), max_cached_bytes_(max_cached_bytes), max_host_bytes_(max_host_bytes) {}
   void give_back(at::Tensor buffer, size_t size_class, CopyEventPtr last_use);
   void promote_completed_locked();
   void trim_locked();
@@ -99,6 +111,7 @@ class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
   std::mutex mu_;
   bool pinned_;
   int64_t max_cached_bytes_;
+  int64_t max_host_bytes_;
   std::multimap<size_t, at::Tensor> free_;
   std::vector<Pending> pending_;
   HostBufferPoolStats stats_;

@@ -82,6 +82,9 @@ class StorageRecord {
 
   // Copy state (meaningful outside kDevice).
   std::shared_ptr<HostBlock> host;   // shared by the records of one fused bucket
+  // The pool its host blocks come from (the first group that held it chose it, e.g. a
+  // PinnedMemoryPool given as cpu_pool=); null: the engine's pool for its device.
+  std::shared_ptr<HostBufferPool> host_pool;
   size_t host_offset = 0;
   CopyEventPtr d2h_done;
   CopyEventPtr h2d_done;

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <tuple>
 #include <unordered_set>
 
 namespace hyper_parallel::activation {
@@ -536,9 +537,10 @@ void SwapEngine::release_locked(const std::shared_ptr<SwapGroup>& group) {
 
 void SwapEngine::try_offload_locked(std::vector<std::shared_ptr<StorageRecord>> candidates,
                                     bool fuse) {
-  // Per device: (records, storages) ready to leave the device now.
-  std::map<std::pair<int, int>, std::pair<std::vector<std::shared_ptr<StorageRecord>>,
-                                          std::vector<c10::Storage>>> ready;
+  // Per (device, host pool): (records, storages) ready to leave the device now.
+  std::map<std::tuple<int, int, HostBufferPool*>,
+           std::pair<std::vector<std::shared_ptr<StorageRecord>>, std::vector<c10::Storage>>>
+      ready;
   std::unordered_set<const c10::StorageImpl*> seen;
   for (auto& record : candidates) {
     if (!seen.insert(record->key()).second) continue;  // listed twice (deferred by two groups)
@@ -553,8 +555,9 @@ void SwapEngine::try_offload_locked(std::vector<std::shared_ptr<StorageRecord>> 
       continue;
     }
     if (debug_checks_) check_release_locked(*record);
-    auto key = std::make_pair(static_cast<int>(record->device().type()),
-                              static_cast<int>(record->device().index()));
+    auto key = std::make_tuple(static_cast<int>(record->device().type()),
+                               static_cast<int>(record->device().index()),
+                               record->host_pool.get());
     ready[key].first.push_back(record);
     ready[key].second.push_back(std::move(storage));
   }
@@ -609,7 +612,11 @@ void SwapEngine::offload_batch_locked(const std::vector<std::shared_ptr<StorageR
   // copies still share one event and one release.
   const c10::Device device = records.front()->device();
   CopyEngine& engine = engine_for(device);
-  HostBufferPool& pool = pool_for(device);
+  HostBufferPool& pool = records.front()->host_pool ? *records.front()->host_pool
+                                                    : pool_for(device);
+  if (records.front()->host_pool && pool.pinned() != engine.wants_pinned_host()) {
+    pool.set_pinned(engine.wants_pinned_host());  // a user pool takes its first device's kind
+  }
   size_t total = 0;
   for (const auto& r : records) total += r->nbytes();
   std::vector<std::shared_ptr<HostBlock>> blocks;
@@ -807,6 +814,19 @@ void SwapEngine::launch_offload(const std::shared_ptr<SwapGroup>& group) {
 bool SwapEngine::knows_group(const std::string& name) const {
   std::lock_guard<std::mutex> lock(mu_);
   return named_.count(name) != 0;
+}
+
+void SwapEngine::forget_group(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  named_.erase(name);
+  manual_.erase(name);
+}
+
+int64_t SwapEngine::live_group_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t n = 0;
+  for (const auto& kv : named_) n += kv.second.expired() ? 0 : 1;
+  return n;
 }
 
 void SwapEngine::wait_offload(const std::shared_ptr<SwapGroup>& group) {

@@ -118,6 +118,11 @@ class SwapEngine {
   std::shared_ptr<SwapGroup> find_group(const std::string& name) const;
   // Whether a group was ever created under `name` (it may have died since).
   bool knows_group(const std::string& name) const;
+  // Drops the name `name` (and the engine's hold on a manual group of that name): later
+  // lookups of it fail as for a name never used. Its records stay where they are.
+  void forget_group(const std::string& name);
+  // How many named groups are alive (their saved tensors or a manual hold keep them).
+  int64_t live_group_count() const;
   // Makes `group` findable under its (new) name.
   void name_group(const std::shared_ptr<SwapGroup>& group);
 

@@ -10,7 +10,10 @@ std::shared_ptr<StorageRecord> SwapGroup::find(const c10::StorageImpl* key) cons
 }
 
 void SwapGroup::add(const std::shared_ptr<StorageRecord>& record) {
-  if (index_.emplace(record->key(), records_.size()).second) records_.push_back(record);
+  if (index_.emplace(record->key(), records_.size()).second) {
+    records_.push_back(record);
+    if (host_pool && !record->host_pool) record->host_pool = host_pool;
+  }
 }
 
 }  // namespace hyper_parallel::activation

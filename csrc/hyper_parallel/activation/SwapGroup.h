@@ -9,6 +9,7 @@
 //
 // Thread-safety: guarded by the SwapEngine lock.
 
+#include "hyper_parallel/activation/HostBufferPool.h"
 #include "hyper_parallel/activation/StorageRecord.h"
 #include "hyper_parallel/activation/SwapStats.h"
 
@@ -50,6 +51,8 @@ class SwapGroup {
   std::shared_ptr<StorageRecord> find(const c10::StorageImpl* key) const;
   void add(const std::shared_ptr<StorageRecord>& record);
 
+  // Host pool for the records this group adds (cpu_pool=); null: the engine's pool.
+  std::shared_ptr<HostBufferPool> host_pool;
   // Storages never swapped for this invocation (the wrapped module's parameters/buffers).
   std::unordered_set<const c10::StorageImpl*> excluded;
   // Handles for tensors registered explicitly (swap_tensor_wrapper); they count as

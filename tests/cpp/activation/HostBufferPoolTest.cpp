@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <string>
+#include <vector>
 
 namespace hyper_parallel::activation {
 namespace {
@@ -77,6 +79,76 @@ TEST(HostBufferPoolTest, CacheIsBounded) {
   EXPECT_LE(pool->stats().bytes_cached, 16384);
   pool->empty_cache();
   EXPECT_EQ(pool->stats().bytes_cached, 0);
+}
+
+// An event that completes when someone waits for it (a copy that finishes during the wait).
+class CompletesOnWait final : public CopyEvent {
+ public:
+  bool query() const override { return done.load(); }
+  double synchronize() const override {
+    done.store(true);
+    waits.fetch_add(1);
+    return 0.0;
+  }
+  double block_compute(c10::Device) const override { return 0.0; }
+  mutable std::atomic<bool> done{false};
+  mutable std::atomic<int> waits{0};
+};
+
+TEST(HostBufferPoolTest, CapRefusesWhenBlocksInUseLeaveNoRoom) {
+  auto pool = HostBufferPool::create(false, int64_t{8} << 30, /*max_host_bytes=*/16384);
+  auto a = pool->acquire(8192);
+  auto b = pool->acquire(8192);
+  try {
+    pool->acquire(1);
+    FAIL() << "acquire over the cap must throw";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("hyper_parallel: host pool full"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("cap of 16384 bytes"), std::string::npos) << msg;
+  }
+  const auto s = pool->stats();
+  EXPECT_EQ(s.bytes_in_use, 16384);  // the refused request reserved nothing
+  EXPECT_EQ(s.allocations, 2);
+}
+
+TEST(HostBufferPoolTest, CapWaitsForAnInFlightBlockAndReusesIt) {
+  auto pool = HostBufferPool::create(false, int64_t{8} << 30, /*max_host_bytes=*/16384);
+  auto event = std::make_shared<CompletesOnWait>();
+  {
+    auto first = pool->acquire(8192);
+    first->set_last_use(event);
+  }
+  EXPECT_EQ(pool->stats().bytes_pending, 8192);
+  auto held = pool->acquire(4096);  // fits: 8192 pending + 4096
+  auto again = pool->acquire(8192);  // does not fit until the pending block completes
+  EXPECT_EQ(event->waits.load(), 1);
+  const auto s = pool->stats();
+  EXPECT_EQ(s.cap_waits, 1);
+  EXPECT_EQ(s.reuses, 1);  // the waited-for block itself
+  EXPECT_EQ(s.allocations, 2);
+  EXPECT_EQ(s.bytes_in_use, 8192 + 4096);
+  EXPECT_LE(s.bytes_in_use + s.bytes_pending + s.bytes_cached, 16384);
+}
+
+TEST(HostBufferPoolTest, CapDropsCachedBlocksOfOtherSizes) {
+  auto pool = HostBufferPool::create(false, int64_t{8} << 30, /*max_host_bytes=*/16384);
+  { auto big = pool->acquire(12288); }
+  EXPECT_EQ(pool->stats().bytes_cached, 12288);
+  auto small = pool->acquire(8192);
+  const auto s = pool->stats();
+  EXPECT_EQ(s.bytes_cached, 0);
+  EXPECT_EQ(s.bytes_in_use, 8192);
+  EXPECT_EQ(s.allocations, 2);
+}
+
+TEST(HostBufferPoolTest, NoCapByDefault) {
+  auto pool = HostBufferPool::create(false);
+  EXPECT_EQ(pool->max_host_bytes(), 0);
+  std::vector<std::unique_ptr<HostBlock>> blocks;
+  for (int i = 0; i < 8; ++i) blocks.push_back(pool->acquire(1 << 20));
+  EXPECT_EQ(pool->stats().bytes_in_use, 8 << 20);
+  EXPECT_THROW(HostBufferPool::create(false, 0, -1), c10::Error);
 }
 
 }  // namespace

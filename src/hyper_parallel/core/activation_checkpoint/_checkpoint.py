@@ -25,8 +25,9 @@ from hyper_parallel._extension import _C
 
 from . import _compile
 from ._backends import backend_for, wrapper_dispatch
+from ._host_pool import native_pool
 from ._region import REGISTERED_ONLY, SWAP_ALL, Region
-from ._selective import check_bool, checked_context_fn, compile_policy, region_context_fn
+from ._selective import check_bool, compile_policy, region_context_fn, state_context_fn
 from ._swap import LayerCall, in_backward, resolve_layer
 from ._swap_manager import SwapManager
 from ._wrappers import ActivationWrapper, _refuse_double_wrap
@@ -60,13 +61,9 @@ def _torch_options(use_reentrant, preserve_rng_state, determinism_check, debug, 
                    has_context: bool, at_call: bool = True) -> dict:
     """Checks torch.utils.checkpoint's own options and returns those to pass to its frame
     (``at_call``: also heeds torch's global debug switch, which applies at call time)."""
-    if use_reentrant is not None and use_reentrant is not False:
-        if use_reentrant is True:
-            raise ValueError(
-                "hyper_parallel: checkpoint is always non-reentrant; use_reentrant=True is "
-                "not supported (pass use_reentrant=False, or omit it).")
-        raise TypeError("hyper_parallel: checkpoint option use_reentrant must be None or "
-                        f"False; got {use_reentrant!r} ({type(use_reentrant).__name__}).")
+    if use_reentrant is not None and not isinstance(use_reentrant, bool):
+        raise TypeError("hyper_parallel: checkpoint option use_reentrant must be None, False "
+                        f"or True; got {use_reentrant!r} ({type(use_reentrant).__name__}).")
     for name, value in (("preserve_rng_state", preserve_rng_state), ("debug", debug),
                         ("early_stop", early_stop)):
         check_bool(name, value)
@@ -82,6 +79,13 @@ def _torch_options(use_reentrant, preserve_rng_state, determinism_check, debug, 
                 "torch.utils.checkpoint.set_checkpoint_debug_enabled(True)) cannot be "
                 "combined with policy_fn or context_fn (torch's debug mode records the ops "
                 "through its own context_fn); drop one of them.")
+    if use_reentrant:
+        conflicts = [name for name, used in (
+            ("policy_fn/context_fn", has_context), ("debug", debug),
+            ("early_stop=False", not early_stop),
+            ("determinism_check", determinism_check != _DEFAULT_DETERMINISM)) if used]
+        _refuse_reentrant(conflicts)
+        return {"use_reentrant": True, "preserve_rng_state": preserve_rng_state}
     options = {"use_reentrant": False}
     if not preserve_rng_state:
         options["preserve_rng_state"] = False
@@ -92,6 +96,16 @@ def _torch_options(use_reentrant, preserve_rng_state, determinism_check, debug, 
     if not early_stop:
         options["early_stop"] = False
     return options
+
+
+def _refuse_reentrant(conflicts) -> None:
+    if conflicts:
+        raise ValueError(
+            f"hyper_parallel: use_reentrant=True cannot be combined with {', '.join(conflicts)}: "
+            "torch's reentrant checkpoint runs the region without saved-tensor hooks, so "
+            "per-op policies, swap, recompute contexts and exclusion regions need the "
+            "non-reentrant frame. Pass use_reentrant=False (or omit it), or drop those "
+            "options.")
 
 
 def _debug_forced() -> bool:
@@ -145,7 +159,7 @@ def _learn(key, training, needed: bool) -> None:
 def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=None,
                group_swap=False, use_reentrant=None, preserve_rng_state=True,
                determinism_check=_DEFAULT_DETERMINISM, debug=False, early_stop=True,
-               allow_cache_entry_mutation=False, **kwargs):
+               allow_cache_entry_mutation=False, cpu_pool=None, **kwargs):
     """Runs ``function(*args, **kwargs)`` as a checkpoint region (non-reentrant).
 
     The tensors ``function`` saves for backward are not kept: backward runs it again
@@ -207,9 +221,16 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
             with ours (the user's contexts outside). ``context_fn`` must return a tuple of
             two context managers (else ``TypeError``).
         group_swap: fuse the region's small swapped tensors into few large copies.
-        use_reentrant: accepted for drop-in use with ``torch.utils.checkpoint``:
-            ``None`` or ``False`` (regions are always non-reentrant); ``True`` raises
-            ``ValueError``.
+        use_reentrant: ``None`` or ``False`` (default): our non-reentrant region.
+            ``True`` delegates to torch's reentrant checkpoint (lower host overhead per
+            region: no saved-tensor hooks, no dispatch modes), which only works without
+            the options that need the non-reentrant frame (``policy_fn``, ``context_fn``,
+            ``swap_inputs``, ``group_swap``, ``allow_cache_entry_mutation``, ``debug``,
+            ``early_stop=False``, ``determinism_check``; ``ValueError`` otherwise). A
+            reentrant region is no swap layer, keeps no external state or collectives
+            from its forward (torch's semantics), and does not see
+            ``checkpoint_exclude_wrapper`` or scheduled recompute. Prefer
+            ``use_reentrant=False``: torch recommends it too.
         preserve_rng_state, determinism_check, debug, early_stop: torch.utils.checkpoint's
             own options, passed to its frame: ``preserve_rng_state=False`` does not replay
             the forward's RNG state in recompute; ``determinism_check`` is ``"default"``
@@ -219,6 +240,9 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
             runs torch's frame alone, without the corrections above); ``early_stop=False``
             recomputes the whole function instead of stopping once every saved tensor is
             rebuilt (torch's ``set_checkpoint_early_stop`` overrides it, as in torch).
+        cpu_pool: a :class:`PinnedMemoryPool` whose capped host memory holds this
+            region's swapped tensors (``swap_inputs``, ``MUST_SWAP`` outputs); ``None``
+            uses the engine's pool.
         allow_cache_entry_mutation: torch's option of the same name: ``True`` hands back
             a cached op output that was modified in place after the region's forward
             instead of raising. Outputs modified later in the region's *own* forward are
@@ -227,7 +251,7 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
 
             As in torch, these option names are checkpoint's own: ``function`` cannot
             receive keyword arguments with these names, or with ``policy_fn``,
-            ``swap_inputs``, ``context_fn``, ``group_swap`` (bind them with
+            ``swap_inputs``, ``context_fn``, ``group_swap``, ``cpu_pool`` (bind them with
             ``functools.partial`` instead). Flags must be bools (``1`` is refused).
 
     Returns:
@@ -237,8 +261,9 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     Raises:
         ValueError: for an invalid ``policy_fn`` entry, or (during forward) a policy
             result that is not a policy (the message names the op and the value); for
-            ``use_reentrant=True``, an unknown ``determinism_check``, or ``debug=True``
-            with ``policy_fn`` or ``context_fn``.
+            ``use_reentrant=True`` with an option that needs the non-reentrant frame, an
+            unknown ``determinism_check``, or ``debug=True`` with ``policy_fn`` or
+            ``context_fn``.
         TypeError: when ``policy_fn`` or ``context_fn`` has the wrong type, a flag is not
             a bool, or ``context_fn`` returns something other than two context managers.
         RuntimeError: in backward, when a cached op output was modified in place after
@@ -266,6 +291,12 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     """
     if _compile.is_compiling():
         # Traced by dynamo: torch's compiled checkpoint, our policy as its contexts.
+        if use_reentrant:
+            raise ValueError(
+                "hyper_parallel: a checkpoint region traced by torch.compile is always "
+                "non-reentrant (torch's compiled checkpoint); use_reentrant=True is not "
+                "supported there. Pass use_reentrant=False, or compile the block inside "
+                "the checkpoint instead.")
         _torch_options(use_reentrant, preserve_rng_state, determinism_check, debug,
                        early_stop, policy_fn is not None or context_fn is not None)
         return _compile.checkpoint(
@@ -288,9 +319,19 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     for name, value in (("swap_inputs", swap_inputs), ("group_swap", group_swap),
                         ("allow_cache_entry_mutation", allow_cache_entry_mutation)):
         check_bool(name, value)
+    pool = native_pool(cpu_pool)
+    if use_reentrant:
+        _refuse_reentrant([name for name, used in (
+            ("swap_inputs", swap_inputs), ("group_swap", group_swap), ("cpu_pool", pool),
+            ("allow_cache_entry_mutation", allow_cache_entry_mutation)) if used])
     if not torch.is_grad_enabled():
         # Inference: nothing is saved for backward (torch's frame does the same).
         return function(*args, **kwargs)
+    if use_reentrant:
+        # torch's reentrant frame alone: it saves nothing inside the region (the forward
+        # runs without grad), so no swap group or region mode has anything to do.
+        call, call_args = _with_bound_kwargs(function, args, kwargs)
+        return torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
     key = _mode_key(function) if policy is None else None
     training = _training(key) if key is not None else None
     if debug or _debug_forced():
@@ -298,8 +339,9 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     elif key is not None and _PLAIN_TARGETS.get(key, _NEEDS_MODES) is training:
         # A full-recompute region whose forward wrote no outside state and ran no
         # collective when it was probed (in this training mode): torch's frame alone.
-        if context_fn is not None:
-            ckpt_kwargs["context_fn"] = checked_context_fn(context_fn)
+        # Only the invocation's recompute state (is_recomputing(), exclusion regions,
+        # recompute handles): two plain context managers, no dispatch mode.
+        ckpt_kwargs["context_fn"] = state_context_fn(context_fn)
     else:
         report = functools.partial(_learn, key, training) if key is not None else None
         ckpt_kwargs["context_fn"] = region_context_fn(policy, context_fn,
@@ -323,7 +365,7 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     # region's inputs must reach the enclosing frame's saved-tensor hook (it recomputes them).
     pack_mode = SWAP_ALL if swap_inputs else REGISTERED_ONLY
     region = Region(node.layer_id if node is not None else -1, name, pack_mode, None,
-                    group_swap)
+                    group_swap, cpu_pool=pool)
     with region:
         out = torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
     region.attach_backward(out)
@@ -341,7 +383,7 @@ def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwar
             functions each; the last segment takes the rest and runs without checkpoint,
             as in torch, since its backward comes first).
         input: the first function's input.
-        use_reentrant: ``None`` or ``False`` (as in :func:`checkpoint`).
+        use_reentrant: as in :func:`checkpoint` (``True``: torch's reentrant frame).
         **kwargs: :func:`checkpoint`'s options (``preserve_rng_state``, ``policy_fn``,
             ``swap_inputs``, ...), applied to every segment.
 
@@ -384,10 +426,18 @@ class CheckpointWrapper(ActivationWrapper):
     """Every call of the wrapped module is a :func:`checkpoint` call (see
     :func:`checkpoint_wrapper`)."""
 
+    _hp_kind = "checkpoint_wrapper"
+
     def __init__(self, module: nn.Module, **checkpoint_kwargs) -> None:
         super().__init__(module)
         self._hp_checkpoint_kwargs = _prepare_kwargs(checkpoint_kwargs)
         self._hp_compile_kwargs = _compile_kwargs(self._hp_checkpoint_kwargs)
+
+    @property
+    def checkpoint_kwargs(self) -> dict:
+        """The options of every call (a copy; a list or dict ``policy_fn`` is given back
+        compiled)."""
+        return dict(self._hp_checkpoint_kwargs)
 
     def forward(self, *args, **kwargs):
         inner = self._checkpoint_wrapped_module
@@ -395,13 +445,16 @@ class CheckpointWrapper(ActivationWrapper):
             return inner(*args, **kwargs)
         if _compile.is_compiling():
             return _compile.checkpoint(inner, args, kwargs, **self._hp_compile_kwargs)
-        return checkpoint(LayerCall(self, inner, inner), *args, **self._hp_checkpoint_kwargs,
-                          **kwargs)
+        if in_backward():
+            return checkpoint(LayerCall(self, inner, inner), *args,
+                              **self._hp_checkpoint_kwargs, **kwargs)
+        return self._hp_call(checkpoint, LayerCall(self, inner, inner), *args,
+                             **self._hp_checkpoint_kwargs, **kwargs)
 
 
 _CHECKPOINT_OPTIONS = ("policy_fn", "swap_inputs", "context_fn", "group_swap", "use_reentrant",
                        "preserve_rng_state", "determinism_check", "debug", "early_stop",
-                       "allow_cache_entry_mutation")
+                       "allow_cache_entry_mutation", "cpu_pool")
 
 
 def _prepare_kwargs(checkpoint_kwargs: dict) -> dict:
@@ -417,6 +470,10 @@ def _prepare_kwargs(checkpoint_kwargs: dict) -> dict:
                    at_call=False)
     for name in ("swap_inputs", "group_swap", "allow_cache_entry_mutation"):
         check_bool(name, out.get(name, False))
+    native_pool(out.get("cpu_pool"))  # type-checked once
+    if out.get("use_reentrant"):
+        _refuse_reentrant([name for name in ("swap_inputs", "group_swap", "cpu_pool",
+                                             "allow_cache_entry_mutation") if out.get(name)])
     if out.get("policy_fn") is not None:
         out["policy_fn"] = compile_policy(out["policy_fn"])  # validated once
     return out
@@ -444,7 +501,7 @@ def checkpoint_wrapper(module_or_fn, **checkpoint_kwargs):
         **checkpoint_kwargs: ``policy_fn``, ``swap_inputs``, ``context_fn``,
             ``group_swap``, ``use_reentrant``, ``preserve_rng_state``,
             ``determinism_check``, ``debug``, ``early_stop``,
-            ``allow_cache_entry_mutation``, as in :func:`checkpoint`. They are
+            ``allow_cache_entry_mutation``, ``cpu_pool``, as in :func:`checkpoint`. They are
             validated here, once (a list or dict ``policy_fn`` is also compiled here).
 
     Returns:
@@ -474,4 +531,7 @@ def checkpoint_wrapper(module_or_fn, **checkpoint_kwargs):
 
     target = LayerCall(wrapped, module_or_fn)
     wrapped._hp_wrapped_fn = module_or_fn
+    wrapped.checkpoint_kwargs = dict(kwargs)
+    wrapped.policy_fn = kwargs.get("policy_fn")
+    wrapped.group_swap = kwargs.get("group_swap", False)
     return wrapped

@@ -21,6 +21,7 @@ from hyper_parallel._extension import _C
 
 from ._diagnostics import after_forward
 from ._memory import sample_active_meter
+from ._recompute_state import is_recomputing
 
 SWAP_ALL = _C.PackMode.SWAP_ALL
 REGISTERED_ONLY = _C.PackMode.REGISTERED_ONLY
@@ -29,8 +30,9 @@ _warned_unscheduled: set[str] = set()
 
 
 def in_backward() -> bool:
-    """True while the autograd engine runs a backward on this thread (e.g. recompute)."""
-    return torch._C._current_graph_task_id() != -1
+    """True while the autograd engine runs a backward on this thread (e.g. recompute), or
+    while a checkpoint region is recomputed ahead of its backward (``recompute_handle``)."""
+    return torch._C._current_graph_task_id() != -1 or is_recomputing()
 
 
 def in_checkpoint_forward() -> bool:
@@ -53,6 +55,11 @@ class Region:
         group_swap: fuse small tensors of the group into few copies.
         exclude: tensors whose storages are never swapped (the module's parameters and
             buffers).
+        cpu_pool: the C++ host pool (``PinnedMemoryPool``'s) for this invocation's host
+            blocks, or ``None`` for the engine's pool; ignored when the region joins an
+            enclosing layer's group.
+        quiet: do not warn when the region is in no prefetch schedule
+            (``async_save_on_cpu``: reloading on demand is what it asks for).
 
     A region in no schedule that runs inside the forward of a scheduled layer (the user
     guide's ``layer.attn = swap_wrapper(layer.attn)`` with the chain registered over
@@ -61,10 +68,10 @@ class Region:
     """
 
     __slots__ = ("_layer_id", "_name", "_pack_mode", "_policy_fn", "_group_swap",
-                 "_exclude", "_manual", "_token")
+                 "_exclude", "_manual", "_token", "_cpu_pool", "_quiet")
 
     def __init__(self, layer_id=-1, name="", pack_mode=None, policy_fn=None, group_swap=False,
-                 exclude=(), manual=False):
+                 exclude=(), manual=False, cpu_pool=None, quiet=False):
         self._layer_id = layer_id
         self._name = name
         self._pack_mode = pack_mode
@@ -73,6 +80,8 @@ class Region:
         self._exclude = exclude
         self._manual = manual
         self._token = None
+        self._cpu_pool = cpu_pool
+        self._quiet = quiet
 
     @property
     def group(self):
@@ -95,6 +104,8 @@ class Region:
             self._token = _C.region_enter(self._layer_id, self._name, self._manual,
                                           self._group_swap, self._exclude or None,
                                           self._pack_mode, self._policy_fn, push)
+            if self._cpu_pool is not None and not self._token.joined:
+                _C.set_group_pool(self._token.group, self._cpu_pool)
             return self
         except BaseException:
             if self._token is not None:
@@ -109,7 +120,7 @@ class Region:
         if ok and not self._token.joined:
             sample_active_meter()
             after_forward(self.group, self._name)
-        if unscheduled:
+        if unscheduled and not self._quiet:
             self._warn_unscheduled()
         return False
 

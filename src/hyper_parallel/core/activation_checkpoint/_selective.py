@@ -39,7 +39,9 @@ from hyper_parallel._extension import _C
 from . import _memory
 from ._collectives import FUNCTIONAL_NAMESPACES, Collectives, is_collective
 from ._external import ExternalTensors
+from ._ignored_ops import is_sac_ignored
 from ._policy import CheckpointPolicy, to_policy
+from . import _recompute_state
 from ._region import Region, in_backward
 from ._policy_signature import check_checkpoint_policy
 
@@ -70,7 +72,9 @@ class SelectiveCheckpointContext:
         self.op_output = op_output
 
 
-_PLAIN, _IGNORED, _COLLECTIVE = 0, 1, 2
+# _PASSTHROUGH: ops of ignore_sac_ops (FSDP2's and the profiler's): run in forward and
+# recompute with nothing recorded (no cache entry, no external-tensor bookkeeping).
+_PLAIN, _IGNORED, _COLLECTIVE, _PASSTHROUGH = 0, 1, 2, 3
 _TO_COPY = torch.ops.aten._to_copy.default
 
 
@@ -132,7 +136,9 @@ def _op_info(func) -> _OpInfo:
     info = _OP_INFO.get(func)
     if info is None:
         name = str(func)
-        if isinstance(func, OpOverload) and is_collective(func):
+        if is_sac_ignored(func):
+            info = _OpInfo(-1, name, _PASSTHROUGH, ())
+        elif isinstance(func, OpOverload) and is_collective(func):
             info = _OpInfo(int(_C.intern_op(name)), name, _COLLECTIVE, _written_args(func))
         elif _cacheable(func):
             info = _OpInfo(int(_C.intern_op(name)), name, _PLAIN, ())
@@ -140,6 +146,11 @@ def _op_info(func) -> _OpInfo:
             info = _OpInfo(-1, name, _IGNORED, _written_args(func))
         _OP_INFO[func] = info
     return info
+
+
+def forget_op(func) -> None:
+    """Drops the cached decision about ``func`` (``ignore_sac_ops`` changed it)."""
+    _OP_INFO.pop(func, None)
 
 
 def _autocast_weight_cast(func, args) -> bool:
@@ -207,7 +218,7 @@ class _RegionState:
     region, and the kept collective results."""
 
     __slots__ = ("cache", "policy_fn", "table", "external", "collectives", "may_swap", "region",
-                 "report")
+                 "report", "rstate")
 
     def __init__(self, policy, allow_cache_entry_mutation: bool, describe) -> None:
         if policy is None:
@@ -221,6 +232,7 @@ class _RegionState:
         self.collectives = Collectives(_observe_kept)
         self.region = None
         self.report = None
+        self.rstate = _recompute_state.RecomputeState()
 
     def keep_collective(self, info: _OpInfo, func, args, kwargs, out) -> bool:
         """Collectives are kept unless the policy says MUST_RECOMPUTE."""
@@ -255,6 +267,7 @@ class _CachingMode(TorchDispatchMode):
             # a swap group. Without a schedule they are reloaded on demand in backward.
             st.region = Region()
             st.region.__enter__()
+        _recompute_state.enter_forward(st.rstate)
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -262,6 +275,9 @@ class _CachingMode(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         st = self._state
+        if info.kind == _PASSTHROUGH or st.rstate.excluding:
+            # ignore_sac_ops, or inside a checkpoint_exclude_wrapper (not replayed).
+            return func(*args, **kwargs)
         st.external.forward_inputs(info.name, args, kwargs, info.writes)
         out = func(*args, **kwargs)
         st.external.forward_outputs(out)
@@ -284,6 +300,7 @@ class _CachingMode(TorchDispatchMode):
     def __exit__(self, exc_type, exc, tb):
         result = super().__exit__(exc_type, exc, tb)
         st = self._state
+        _recompute_state.exit_forward(st.rstate, exc_type is None)
         st.external.end_forward()
         if exc_type is None and st.report is not None:
             st.report(st.external.written > 0 or bool(st.collectives))
@@ -314,13 +331,21 @@ class _CachedMode(TorchDispatchMode):
             st.cache.begin_recompute()
         st.external.begin_recompute()
         st.collectives.begin_recompute()
+        _recompute_state.enter_recompute(st.rstate)
         return super().__enter__()
+
+    def __exit__(self, exc_type, exc, tb):
+        result = super().__exit__(exc_type, exc, tb)
+        _recompute_state.exit_recompute(self._state.rstate)
+        return result
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         info = _OP_INFO.get(func) or _op_info(func)
         if kwargs is None:
             kwargs = {}
         st = self._state
+        if info.kind == _PASSTHROUGH:
+            return func(*args, **kwargs)
         args, kwargs = st.external.recompute_args(info.name, args, kwargs)
         kind = info.kind
         if kind == _COLLECTIVE:
@@ -383,11 +408,6 @@ def call_context_fn(context_fn):
     return tuple(res)
 
 
-def checked_context_fn(context_fn):
-    """A ``context_fn`` for torch's frame that checks what the user's one returns."""
-    return functools.partial(call_context_fn, context_fn)
-
-
 def _new_cache(table, allow_cache_entry_mutation=False):
     """The C++ state of one region invocation (a seam for tests to observe caches)."""
     return _C.SacCache(table, allow_cache_entry_mutation)
@@ -435,6 +455,21 @@ def region_context_fn(policy: SelectivePolicy | None = None, user_context_fn=Non
         state = _RegionState(policy, allow_cache_entry_mutation, describe)
         state.report = report
         forward, recompute = _CachingMode(state), _CachedMode(state)
+        if user_context_fn is None:
+            return forward, recompute
+        user_forward, user_recompute = call_context_fn(user_context_fn)
+        return _Nested(user_forward, forward), _Nested(user_recompute, recompute)
+
+    return make_contexts
+
+
+def state_context_fn(user_context_fn=None):
+    """A ``context_fn`` for a full-recompute region that needs no region modes: only the
+    invocation's :class:`RecomputeState` (``_recompute_state.py``), composed with the
+    user's ``(forward_ctx, recompute_ctx)`` (theirs outside)."""
+
+    def make_contexts():
+        forward, recompute = _recompute_state.contexts()
         if user_context_fn is None:
             return forward, recompute
         user_forward, user_recompute = call_context_fn(user_context_fn)

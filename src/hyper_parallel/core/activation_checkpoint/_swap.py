@@ -11,6 +11,7 @@ from hyper_parallel._extension import _C
 
 from . import _compile
 from ._backends import backend_for
+from ._host_pool import native_pool
 from ._policy_signature import check_swap_policy
 from ._region import SWAP_ALL, Region, in_backward, in_checkpoint_forward
 from ._swap_manager import SwapManager, layer_node
@@ -64,7 +65,7 @@ def resolve_layer(function, with_state: bool = True):
     return node, name, (module_state_tensors(state) if with_state else [])
 
 
-def swap(function, *args, policy_fn=None, group_swap=False, **kwargs):
+def swap(function, *args, policy_fn=None, group_swap=False, cpu_pool=None, **kwargs):
     """Runs ``function(*args, **kwargs)`` and swaps the tensors it saves for backward.
 
     Saved activations are offloaded to host memory (D2H on a side stream) after the
@@ -85,6 +86,9 @@ def swap(function, *args, policy_fn=None, group_swap=False, **kwargs):
             are never swapped, SPEC 4.4).
         group_swap: fuse tensors under the bucket threshold (32 MiB by default) into few
             large copies, one D2H and one H2D per bucket.
+        cpu_pool: a :class:`PinnedMemoryPool` whose capped host memory holds the
+            swapped tensors (``None``: the engine's pool). ``function`` cannot take a
+            keyword argument named ``policy_fn``, ``group_swap`` or ``cpu_pool``.
 
     Returns:
         Whatever ``function`` returns.
@@ -92,13 +96,16 @@ def swap(function, *args, policy_fn=None, group_swap=False, **kwargs):
     Raises:
         ValueError: when ``policy_fn`` returns anything but MUST_SAVE / MUST_SWAP.
         TypeError: when ``policy_fn`` cannot be called as ``policy_fn(tensor)`` (a
-            checkpoint policy ``(ctx, op, ...)`` given to swap, say).
+            checkpoint policy ``(ctx, op, ...)`` given to swap, say), or when
+            ``cpu_pool`` is not a PinnedMemoryPool.
+        RuntimeError: when ``cpu_pool`` is full (the message names its cap).
     """
     backend = backend_for(function, args=args, kwargs=kwargs)
     if backend is not None:  # a MindSpore Cell or tensors (docs/design.md, "Backends")
+        _refuse_pool_on_backend(cpu_pool, "swap")
         return backend.swap(function, *args, policy_fn=policy_fn, group_swap=group_swap,
                             **kwargs)
-    region = swap_region(function, policy_fn, group_swap)
+    region = swap_region(function, policy_fn, group_swap, cpu_pool)
     if region is None:
         return function(*args, **kwargs)
     with region:
@@ -107,22 +114,24 @@ def swap(function, *args, policy_fn=None, group_swap=False, **kwargs):
     return out
 
 
-def swap_region(function, policy_fn=None, group_swap=False) -> Region | None:
+def swap_region(function, policy_fn=None, group_swap=False, cpu_pool=None) -> Region | None:
     """The (not yet entered) swap region of one call of ``function``, or ``None`` when
-    the call runs plainly: in recompute or without grad."""
+    the call runs plainly: in recompute or without grad. ``cpu_pool``: a
+    PinnedMemoryPool or None (checked even when the call runs plainly)."""
     SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP on first use
     check_swap_policy(policy_fn)
+    pool = native_pool(cpu_pool)
     if in_backward() or not torch.is_grad_enabled():
         return None
     node, name, excluded = resolve_layer(function)
     return Region(node.layer_id if node is not None else -1, name, SWAP_ALL, policy_fn,
-                  group_swap, excluded)
+                  group_swap, excluded, cpu_pool=pool)
 
 
 _warned_outside = False
 
 
-def swap_tensor_wrapper(target, tag=None, group_swap=False):
+def swap_tensor_wrapper(target, tag=None, group_swap=False, cpu_pool=None):
     """Registers the tensors in ``target`` with the current swap group; returns ``target``.
 
     Call it inside a layer's forward (a swap/checkpoint region, a wrapper, or a module
@@ -135,6 +144,8 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False):
             (MindSpore tensors register with the running MindSpore region).
         tag: a label for debugging; not used for scheduling.
         group_swap: fuse the group's small tensors into few large copies.
+        cpu_pool: a :class:`PinnedMemoryPool` for the host blocks of the tensors
+            registered from now on in the current group (``None``: keep the group's).
 
     Returns:
         ``target`` unchanged (the same objects).
@@ -149,8 +160,10 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False):
         return target
     backend = backend_for(target, args=(target,))
     if backend is not None:  # MindSpore tensors (docs/design.md, "Backends")
+        _refuse_pool_on_backend(cpu_pool, "swap_tensor_wrapper")
         return backend.swap_tensor_wrapper(target, tag=tag, group_swap=group_swap)
     SwapManager()
+    pool = native_pool(cpu_pool)
     if in_backward() or not torch.is_grad_enabled() or in_checkpoint_forward():
         # Recompute, inference, or inside a checkpoint's forward (the tensor is recomputed
         # in backward, so keeping it for a swap would only cost a copy).
@@ -169,7 +182,16 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False):
         return target
     if group_swap:
         _C.set_group_swap(group, True)
+    if pool is not None:
+        _C.set_group_pool(group, pool)
     for t in tree_flatten(target)[0]:
         if isinstance(t, torch.Tensor):
             _C.register_tensor(t)
     return target
+
+
+def _refuse_pool_on_backend(cpu_pool, api: str) -> None:
+    if cpu_pool is not None:
+        raise ValueError(
+            f"hyper_parallel: {api}(cpu_pool=...) is not supported for MindSpore Cells and "
+            "tensors (MindSpore manages its own host memory for swap); drop cpu_pool.")

@@ -278,6 +278,22 @@ class SwapManager:
                 backend.remove_layer_hooks(obj)
         else:
             objs = list(model.modules()) if isinstance(model, torch.nn.Module) else [model]
+        self._unregister_objs(objs)
+
+    def unregister_forward_prefetch_layer(self, module) -> None:
+        """Removes one layer (a module, wrapper or function given to
+        ``set_forward_prefetch_layer``) from the chain, with its hooks; its neighbours are
+        no longer linked through it (link them again if the chain should stay whole).
+        Submodules keep their own registrations (see :meth:`unregister`)."""
+        inner = getattr(module, "_hp_wrapped", None)
+        self._unregister_objs([module] + ([inner] if inner is not None else []))
+
+    def unregister_forward_prefetch_hooks(self, module) -> None:
+        """Removes the schedule hooks (and chain links) of ``module`` and every submodule;
+        the reference's name for :meth:`unregister`, which is the documented one."""
+        self.unregister(module)
+
+    def _unregister_objs(self, objs) -> None:
         for obj in objs:
             node = (obj.__dict__.pop(_LAYER_ATTR, None) if isinstance(obj, torch.nn.Module)
                     else getattr(obj, _LAYER_ATTR, None))
@@ -382,21 +398,96 @@ class SwapManager:
         with region:
             yield region.group
 
-    def launch_offload(self, group: str) -> None:
-        """Starts the D2H copies of group ``group`` and releases its device memory."""
-        _C.launch_offload(str(group))
+    # Unknown names raise SwapGroupError (a RuntimeError, as the reference raises, and a
+    # ValueError, as our earlier releases raised). A name that existed but whose group
+    # died (every tensor it held is gone) is a no-op: there is nothing left to move.
+    #
+    # copy_stream: accepted for the reference's call shape and checked to be a stream,
+    # but the engine always copies on its own side stream per device (its events and
+    # record-stream bookkeeping assume it; SPEC 5). Ordering against a stream of yours
+    # is already given: copies start after an event on the current stream, and wait_*
+    # order the current stream after them.
+    def launch_offload(self, group: str, copy_stream=None) -> None:
+        """Starts the D2H copies of group ``group`` and releases its device memory.
+
+        Raises:
+            SwapGroupError: for a name never used (or forgotten by :meth:`abort_group`).
+            TypeError: for a ``copy_stream`` that is not a stream.
+        """
+        _check_stream(copy_stream)
+        _by_name(_C.launch_offload, group)
 
     def wait_offload(self, group: str) -> None:
-        """Blocks until the D2H copies of ``group`` are complete."""
-        _C.wait_offload(str(group))
+        """Blocks until the D2H copies of ``group`` are complete (SwapGroupError for an
+        unknown name)."""
+        _by_name(_C.wait_offload, group)
 
-    def launch_load(self, group: str) -> None:
-        """Re-allocates ``group``'s storages and starts their H2D copies."""
-        _C.launch_load(str(group))
+    def launch_load(self, group: str, copy_stream=None) -> None:
+        """Re-allocates ``group``'s storages and starts their H2D copies (SwapGroupError
+        for an unknown name; ``copy_stream`` as in :meth:`launch_offload`)."""
+        _check_stream(copy_stream)
+        _by_name(_C.launch_load, group)
 
     def wait_load(self, group: str) -> None:
-        """Orders the compute stream after ``group``'s H2D copies."""
-        _C.wait_load(str(group))
+        """Orders the compute stream after ``group``'s H2D copies (SwapGroupError for an
+        unknown name)."""
+        _by_name(_C.wait_load, group)
+
+    def ensure_group(self, name: str):
+        """The live swap group named ``name``, created (an empty manual group, as
+        :meth:`group_context` makes) when there is none; returns it. For the reference's
+        call shape; prefer :meth:`group_context`, which also makes the group current so
+        that ``swap_tensor_wrapper`` registers into it."""
+        name = str(name)
+        group = _C.find_group(name)
+        if group is None:
+            with self.group_context(name) as group:
+                pass
+        return group
+
+    def abort_group(self, name: str) -> None:
+        """Gives up a manual group: whatever it offloaded comes back to the device (data
+        is never lost), and the name is forgotten, so later launch/wait calls with it
+        raise until it is created again. For a step abandoned half-way.
+
+        Raises:
+            SwapGroupError: for a name never used.
+        """
+        name = str(name)
+        if _C.find_group(name) is not None:
+            _by_name(_C.launch_load, name)
+            _by_name(_C.wait_load, name)
+        elif not _C.knows_group(name):
+            _raise_unknown(name)
+        _C.forget_group(name)
+
+    def release_group_storage(self, name: str) -> None:
+        """Drops the manager's hold on group ``name`` once its backward is done (the
+        reference calls it at the end of each layer's backward for groups that never went
+        through a load). Here a group already lives only as long as the saved tensors
+        that need it, so this only forgets a manual group kept alive by its name; the
+        tensors are not touched. Unknown names are ignored, as in the reference. Not
+        needed with hyper_parallel's own schedule; :meth:`abort_group` is the call that
+        gives a manual group up."""
+        _C.forget_group(str(name))
+
+    def active_group_count(self) -> int:
+        """How many named swap groups are alive (held by saved tensors that still need
+        them, or manual groups not yet offloaded); 0 after a finished step (a leak
+        check)."""
+        return int(_C.live_group_count())
+
+    def is_last_group(self, name: str | None = None) -> bool:
+        """Whether group ``name`` (default: the current group) is the invocation of the
+        last layer of its prefetch chain (whose activations stay on device). ``False``
+        for unknown names and groups in no chain."""
+        group = _C.current_group() if name is None else _C.find_group(str(name))
+        if group is None or group.layer < 0:
+            return False
+        for node in list(_nodes):
+            if node.layer_id == group.layer:
+                return node.next is None and node.prev is not None
+        return False
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
@@ -430,6 +521,33 @@ class SwapManager:
     def synchronize(self) -> None:
         """Waits for every queued copy of the CPU backend (tests)."""
         _C.synchronize()
+
+
+class SwapGroupError(RuntimeError, ValueError):
+    """No swap group has this name (``launch_offload``, ``wait_load``, ...)."""
+
+
+def _raise_unknown(name: str):
+    raise SwapGroupError(
+        f"hyper_parallel: no live swap group named '{name}'. Create it with "
+        "SwapManager().group_context(name) or ensure_group(name) (or check "
+        "get_current_group_name()) before launching its offload or load.")
+
+
+def _by_name(fn, name) -> None:
+    try:
+        fn(str(name))
+    except ValueError as err:
+        if "no live swap group" in str(err):
+            raise SwapGroupError(str(err)) from None
+        raise
+
+
+def _check_stream(stream) -> None:
+    if stream is not None and not isinstance(stream, torch.Stream) and not hasattr(
+            stream, "wait_event"):
+        raise TypeError("hyper_parallel: copy_stream must be a torch stream or None; got "
+                        f"{type(stream).__name__}")
 
 
 def _after_fork_in_child() -> None:

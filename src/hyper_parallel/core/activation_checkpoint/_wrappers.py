@@ -14,6 +14,8 @@ names starting with ``_`` and names the wrapped module lacks stay on the wrapper
 from __future__ import annotations
 
 import functools
+import threading
+import warnings
 import weakref
 
 import torch
@@ -21,6 +23,7 @@ from torch import nn
 
 from . import _compile
 from ._backends import wrapper_dispatch
+from ._host_pool import native_pool
 from ._policy_signature import check_swap_policy
 from ._swap import LayerCall, in_backward, swap
 
@@ -38,10 +41,51 @@ def _strip(name: str) -> str:
     return name.replace(_PREFIX_DOT, "")
 
 
+_tls = threading.local()
+_warned_nesting: set = set()
+
+
+def _describe(wrapper) -> str:
+    return f"{wrapper._hp_kind}({type(wrapper._checkpoint_wrapped_module).__name__})"
+
+
+def _warn_nested(outer, inner) -> None:
+    key = (id(outer), id(inner))
+    if key in _warned_nesting:
+        return
+    _warned_nesting.add(key)
+    warnings.warn(
+        f"hyper_parallel: {_describe(inner)} is nested inside {_describe(outer)}. Results "
+        "stay correct, but the inner wrapper's work is partly wasted (a swap inside a "
+        "checkpoint region swaps tensors that recompute rebuilds anyway; a checkpoint "
+        "inside a checkpoint recomputes twice). Wrap each layer once, at one level "
+        "(checkpoint_exclude_wrapper is the exception: it is meant to sit inside).",
+        stacklevel=4)
+
+
 class ActivationWrapper(nn.Module):
-    """Base of our module wrappers; subclasses implement :meth:`forward`."""
+    """Base class of hyper_parallel's module wrappers (``checkpoint_wrapper``,
+    ``swap_wrapper``, ``checkpoint_exclude_wrapper``): ``isinstance(m, ActivationWrapper)``
+    finds them in a model; subclasses implement :meth:`forward`.
+
+    The wrapped module is the child ``_checkpoint_wrapped_module`` (torch's name), and the
+    wrapper is transparent: ``state_dict()`` keys, ``named_parameters()``,
+    ``named_buffers()`` and ``named_modules()`` (of the wrapper and of every parent)
+    carry no ``_checkpoint_wrapped_module`` part, so optimizer parameter groups and
+    LoRA target names built from them are those of the unwrapped model.
+    ``named_modules()`` lists the wrapper and the module it wraps under the same name
+    (wrapper first).
+
+    Attributes:
+        policy_fn: the policy given to the wrapper (``None`` when none).
+        group_swap (bool): whether small swapped tensors are fused into few copies.
+        checkpoint_kwargs (dict): the options every call passes on (for
+            ``checkpoint_wrapper`` those of :func:`checkpoint`).
+    """
 
     _hp_is_wrapper = True
+    _hp_kind = "wrapper"
+    _hp_nests = False  # a wrapper meant to sit inside another (no nesting warning)
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
@@ -53,6 +97,36 @@ class ActivationWrapper(nn.Module):
         self._checkpoint_wrapped_module = module
         self._register_state_dict_hook(_strip_prefix_hook)
         self._register_load_state_dict_pre_hook(_add_prefix_hook, with_module=False)
+        if not self._hp_nests:
+            for sub in module.modules():
+                if isinstance(sub, ActivationWrapper) and not sub._hp_nests:
+                    _warn_nested(self, sub)  # wrapping a module that holds wrappers
+
+    @property
+    def policy_fn(self):
+        return self.checkpoint_kwargs.get("policy_fn")
+
+    @property
+    def group_swap(self) -> bool:
+        return bool(self.checkpoint_kwargs.get("group_swap", False))
+
+    @property
+    def checkpoint_kwargs(self) -> dict:
+        return {}
+
+    def _hp_call(self, run, *args, **kwargs):
+        """``run(*args, **kwargs)`` with this wrapper on the thread's stack of running
+        wrappers (a wrapper that runs inside another one's forward is warned about)."""
+        stack = _tls.__dict__.setdefault("running", [])
+        if stack and not self._hp_nests and stack[-1] is not self:
+            _warn_nested(stack[-1], self)
+        if self._hp_nests:
+            return run(*args, **kwargs)
+        stack.append(self)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            stack.pop()
 
     @property
     def _hp_wrapped(self) -> nn.Module:
@@ -119,8 +193,23 @@ class ActivationWrapper(nn.Module):
         for name, b in super().named_buffers(*args, **kwargs):
             yield _strip(name), b
 
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        # Parents reach their children through this method, so every parent's
+        # named_modules()/named_parameters() gets the stripped names too.
+        for name, m in super().named_modules(memo, prefix, remove_duplicate):
+            yield _strip_module_name(name), m
+
     def extra_repr(self) -> str:
         return ""
+
+
+def _strip_module_name(name: str) -> str:
+    name = _strip(name)
+    if name == _PREFIX:
+        return ""
+    if name.endswith("." + _PREFIX):
+        return name[: -len(_PREFIX) - 1]
+    return name
 
 
 def _strip_prefix_hook(module, state_dict, prefix, local_metadata):
@@ -140,8 +229,12 @@ def _add_prefix_hook(state_dict, prefix, local_metadata, strict, missing_keys,
 class SwapWrapper(ActivationWrapper):
     """Every call of the wrapped module is a :func:`swap` call (see :func:`swap_wrapper`)."""
 
-    def __init__(self, module: nn.Module, policy_fn=None, group_swap: bool = False) -> None:
+    _hp_kind = "swap_wrapper"
+
+    def __init__(self, module: nn.Module, policy_fn=None, group_swap: bool = False,
+                 cpu_pool=None) -> None:
         check_swap_policy(policy_fn)
+        native_pool(cpu_pool)
         existing = _swap_wrapper_of.get(module) if isinstance(module, nn.Module) else None
         existing = existing() if existing is not None else None
         if existing is not None:
@@ -155,6 +248,12 @@ class SwapWrapper(ActivationWrapper):
         _swap_wrapper_of[module] = weakref.ref(self)
         self._hp_policy_fn = policy_fn
         self._hp_group_swap = group_swap
+        self._hp_cpu_pool = cpu_pool
+
+    @property
+    def checkpoint_kwargs(self) -> dict:
+        return {"policy_fn": self._hp_policy_fn, "group_swap": self._hp_group_swap,
+                "cpu_pool": self._hp_cpu_pool}
 
     def forward(self, *args, **kwargs):
         inner = self._checkpoint_wrapped_module
@@ -172,11 +271,12 @@ class SwapWrapper(ActivationWrapper):
             return out
         if in_backward() or not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        return swap(LayerCall(self, inner, inner), *args, policy_fn=self._hp_policy_fn,
-                    group_swap=self._hp_group_swap, **kwargs)
+        return self._hp_call(swap, LayerCall(self, inner, inner), *args,
+                             policy_fn=self._hp_policy_fn, group_swap=self._hp_group_swap,
+                             cpu_pool=self._hp_cpu_pool, **kwargs)
 
 
-def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False):
+def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False, cpu_pool=None):
     """Wraps a module or callable so that every call runs under :func:`swap`.
 
     Args:
@@ -185,6 +285,7 @@ def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False):
             MindSpore wrapper Cell (PyNative mode; docs/design.md, "Backends").
         policy_fn: per-tensor policy, as in :func:`swap`.
         group_swap: fuse small tensors into few copies, as in :func:`swap`.
+        cpu_pool: a :class:`PinnedMemoryPool` for the swapped tensors, as in :func:`swap`.
 
     Returns:
         The wrapper.
@@ -195,12 +296,15 @@ def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False):
         TypeError: when it is neither a module nor callable, or when ``policy_fn`` cannot
             be called as ``policy_fn(tensor)``.
     """
-    other = wrapper_dispatch(module_or_fn, "swap_wrapper",
-                             dict(policy_fn=policy_fn, group_swap=group_swap), swap_wrapper)
+    options = dict(policy_fn=policy_fn, group_swap=group_swap)
+    if cpu_pool is not None:
+        options["cpu_pool"] = cpu_pool
+    other = wrapper_dispatch(module_or_fn, "swap_wrapper", options, swap_wrapper)
     if other is not None:  # a MindSpore Cell, or a function (docs/design.md, "Backends")
         return other
     if isinstance(module_or_fn, nn.Module):
-        return SwapWrapper(module_or_fn, policy_fn=policy_fn, group_swap=group_swap)
+        return SwapWrapper(module_or_fn, policy_fn=policy_fn, group_swap=group_swap,
+                           cpu_pool=cpu_pool)
     if not callable(module_or_fn):
         raise TypeError(f"hyper_parallel: swap_wrapper expects an nn.Module or a callable, "
                         f"got {type(module_or_fn).__name__}")
@@ -209,10 +313,16 @@ def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False):
 
     @functools.wraps(module_or_fn)
     def wrapped(*args, **kwargs):
-        return swap(wrapped_target, *args, policy_fn=policy_fn, group_swap=group_swap, **kwargs)
+        return swap(wrapped_target, *args, policy_fn=policy_fn, group_swap=group_swap,
+                    cpu_pool=cpu_pool, **kwargs)
 
     wrapped_target = LayerCall(wrapped, module_or_fn)
     wrapped._hp_wrapped_fn = module_or_fn
+    native_pool(cpu_pool)
+    wrapped.checkpoint_kwargs = {"policy_fn": policy_fn, "group_swap": group_swap,
+                                 "cpu_pool": cpu_pool}
+    wrapped.policy_fn = policy_fn
+    wrapped.group_swap = group_swap
     return wrapped
 
 

@@ -250,7 +250,7 @@ def test_cache_entry_written_later_in_the_forward_is_recomputed_by_default():
     ({"debug": "yes"}, TypeError),
     ({"early_stop": 0}, TypeError),
     ({"use_reentrant": 0}, TypeError),
-    ({"use_reentrant": True}, ValueError),
+    ({"use_reentrant": True, "policy_fn": [torch.ops.aten.mm]}, ValueError),
     ({"determinism_check": "bogus"}, ValueError),
     ({"determinism_check": 1}, ValueError),
     ({"swap_inputs": 1}, TypeError),

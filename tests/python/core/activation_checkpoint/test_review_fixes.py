@@ -213,15 +213,15 @@ def test_use_reentrant_false_is_accepted():
     assert_same(torch.autograd.grad(out.pow(2).sum(), [x, *lin.parameters()]), ref)
 
 
-def test_use_reentrant_true_is_a_clear_error():
+def test_use_reentrant_true_with_our_options_is_a_clear_error():
     lin = nn.Linear(D, D)
     x = torch.randn(3, D, requires_grad=True)
+    with pytest.raises(ValueError, match="^hyper_parallel: use_reentrant=True .*policy_fn"):
+        checkpoint(lin, x, use_reentrant=True, policy_fn=[torch.ops.aten.addmm])
+    with torch.no_grad(), pytest.raises(ValueError, match="^hyper_parallel: .*swap_inputs"):
+        checkpoint(lin, x, use_reentrant=True, swap_inputs=True)
     with pytest.raises(ValueError, match="^hyper_parallel: .*non-reentrant"):
-        checkpoint(lin, x, use_reentrant=True)
-    with torch.no_grad(), pytest.raises(ValueError, match="^hyper_parallel: "):
-        checkpoint(lin, x, use_reentrant=True)
-    with pytest.raises(ValueError, match="^hyper_parallel: .*non-reentrant"):
-        checkpoint_wrapper(lin, use_reentrant=True)
+        checkpoint_wrapper(lin, use_reentrant=True, early_stop=False)
 
 
 def test_checkpoint_wrapper_accepts_torch_options():
@@ -375,3 +375,24 @@ def test_context_fn_good_result_runs_both_contexts(with_policy):
         got = torch.autograd.grad(out.pow(2).sum(), [x, *lin.parameters()])
         assert_same(got, ref)
         assert entered == ["forward", "recompute"]
+
+
+def test_use_reentrant_true_delegates_to_torchs_reentrant_checkpoint():
+    torch.manual_seed(0)
+    lin = nn.Sequential(nn.Linear(D, D), nn.Dropout(0.5), nn.Tanh())
+    x = torch.randn(3, D, requires_grad=True)
+    torch.manual_seed(1)
+    want = lin(x)
+    want.sum().backward()
+    want_grads = [x.grad.clone()] + [p.grad.clone() for p in lin.parameters()]
+    x.grad = None
+    lin.zero_grad()
+    torch.manual_seed(1)
+    out = checkpoint(lin, x, use_reentrant=True)
+    assert type(out.grad_fn).__name__ == "CheckpointFunctionBackward"  # torch's frame
+    out.sum().backward()
+    assert torch.equal(out, want)
+    for a, b in zip([x.grad] + [p.grad for p in lin.parameters()], want_grads):
+        assert torch.equal(a, b)
+    wrapped = checkpoint_wrapper(lin, use_reentrant=True)
+    assert type(wrapped(x).grad_fn).__name__ == "CheckpointFunctionBackward"

@@ -1,0 +1,155 @@
+"""Exclusion regions: parts of a checkpoint region that recompute does not run again
+(``checkpoint_exclude_wrapper``; docs/design.md, "Exclusion regions and scheduled
+recompute").
+
+Some parts of a layer must run exactly once per step: a collective whose order across
+ranks must not depend on each rank's backward, a MoE router that counts tokens, an
+adapter with state. Inside a checkpoint region, such a part runs in forward as usual
+but with its saved tensors kept (its own backward needs no recompute), and its output
+kept in the region invocation's :class:`RecomputeState`; when the region is recomputed,
+the part is not run: the kept output is handed back (detached, same ``requires_grad``),
+so the ops after it recompute from the forward's values.
+
+Cost: the part's saved tensors stay in memory as without checkpoint, plus its output
+(``save_output=True``). With ``save_output=False`` only the output's shapes are kept and
+recompute gets uninitialised stand-ins of the same shape and dtype (one element each):
+only for an output that feeds nothing but another exclusion region (which does not read
+its inputs in recompute).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from ._recompute_state import get_recompute_state
+from ._wrappers import ActivationWrapper
+
+
+def _keep(t):
+    return t
+
+
+class _Kept:
+    """What one call of an exclusion region returned in forward."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, out, save_output: bool) -> None:
+        self.value = out if save_output else tree_map(_shape_of, out)
+
+    def replay(self):
+        return tree_map(_for_recompute, self.value)
+
+
+class _Shape:
+    __slots__ = ("shape", "dtype", "device", "requires_grad")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        self.requires_grad = t.requires_grad
+
+
+def _shape_of(x):
+    return _Shape(x) if isinstance(x, torch.Tensor) else x
+
+
+def _for_recompute(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.requires_grad)
+    if isinstance(x, _Shape):
+        one = torch.empty((), dtype=x.dtype, device=x.device).requires_grad_(x.requires_grad)
+        return one.expand(x.shape)
+    return x
+
+
+def run_excluded(key, fn, save_output: bool, what: str, args, kwargs):
+    """``fn(*args, **kwargs)`` as an exclusion region of the enclosing checkpoint region
+    invocation (``key`` identifies the wrapper; ``what`` names it in errors)."""
+    state = get_recompute_state()
+    if state is None:
+        return fn(*args, **kwargs)  # outside any checkpoint region: nothing to exclude
+    if state.is_recomputing:
+        return state.next_exclusion(key, what).replay()
+    state.excluding += 1
+    try:
+        # Shadows the checkpoint frame's hook: the part's own backward keeps its tensors.
+        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            out = fn(*args, **kwargs)
+    finally:
+        state.excluding -= 1
+    state.keep_exclusion(key, _Kept(out, save_output))
+    return out
+
+
+class CheckpointExcludeWrapper(ActivationWrapper):
+    """A module whose calls inside a checkpoint region are not replayed by its recompute
+    (see :func:`checkpoint_exclude_wrapper`)."""
+
+    _hp_nests = True  # meant to sit inside a checkpointed layer: no nesting warning
+
+    def __init__(self, module: nn.Module, save_output: bool = True) -> None:
+        super().__init__(module)
+        self._hp_save_output = save_output
+
+    @property
+    def save_output(self) -> bool:
+        return self._hp_save_output
+
+    def forward(self, *args, **kwargs):
+        inner = self._checkpoint_wrapped_module
+        return run_excluded(self, inner, self._hp_save_output, type(inner).__name__, args,
+                            kwargs)
+
+
+def checkpoint_exclude_wrapper(module, *, save_output=True):
+    """Wraps a module or callable so that, inside a checkpoint region, it runs in the
+    forward only: recompute hands back its forward output instead of running it again.
+
+    For parts of a checkpointed layer that must not run twice: collectives, MoE routers
+    (token counts, load-balancing statistics), adapters with state. Outside any
+    checkpoint region (and inside torch's own checkpoint without our contexts) the
+    wrapper is a plain call.
+
+    Its saved tensors are kept as without checkpoint (they are not swapped by the
+    enclosing region; wrap the part with ``swap_wrapper`` inside to swap them), and its
+    output is kept until the region's graph is freed. Recompute follows the forward's
+    calls in order: the k-th call in recompute gets the k-th call's output.
+
+    Args:
+        module: an ``nn.Module`` (returns a transparent wrapper module, as
+            :func:`checkpoint_wrapper`) or a callable (returns a function called the same
+            way).
+        save_output: keep the output for recompute (default). ``False`` keeps only its
+            shapes and hands recompute one-element stand-ins: only for an output that is
+            passed directly to another exclusion region (a dispatch feeding a combine),
+            whose recompute does not read it; any other use would recompute from
+            garbage.
+
+    Returns:
+        The wrapper.
+
+    Raises:
+        TypeError: when ``module`` is neither a module nor callable, or ``save_output`` is
+            not a bool.
+        torch.utils.checkpoint.CheckpointError: in backward, when the recompute calls the
+            wrapper more often than the forward did.
+    """
+    if not isinstance(save_output, bool):
+        raise TypeError(f"hyper_parallel: save_output must be a bool; got {save_output!r}")
+    if isinstance(module, nn.Module):
+        return CheckpointExcludeWrapper(module, save_output=save_output)
+    if not callable(module):
+        raise TypeError("hyper_parallel: checkpoint_exclude_wrapper expects an nn.Module or a "
+                        f"callable, got {type(module).__name__}")
+    what = getattr(module, "__qualname__", type(module).__name__)
+
+    @functools.wraps(module)
+    def wrapped(*args, **kwargs):
+        return run_excluded(wrapped, module, save_output, what, args, kwargs)
+
+    wrapped.save_output = save_output
+    return wrapped

@@ -1,0 +1,180 @@
+"""checkpoint_exclude_wrapper: parts of a checkpoint region that recompute does not run
+(issue 16)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyper_parallel.core.activation_checkpoint import (
+    CheckpointError, CheckpointPolicy, checkpoint, checkpoint_exclude_wrapper,
+    checkpoint_wrapper, is_recomputing)
+
+
+class Router(nn.Module):
+    """Stateful: counts its calls and the tokens it routed (must happen once per step)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.register_buffer("tokens", torch.zeros((), dtype=torch.long))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        self.tokens += x.shape[0]
+        return torch.softmax(self.proj(x), -1)
+
+
+class Block(nn.Module):
+    def __init__(self, d=8, exclude=True, save_output=True):
+        super().__init__()
+        self.up = nn.Linear(d, d)
+        router = Router(d)
+        self.router = checkpoint_exclude_wrapper(router, save_output=save_output) if exclude \
+            else router
+        self.down = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = torch.tanh(self.up(x))
+        return self.down(h * self.router(h)) + x
+
+
+def _grads(model, x):
+    x = x.detach().clone().requires_grad_()
+    model(x).pow(2).sum().backward()
+    return [x.grad] + [p.grad for p in model.parameters()]
+
+
+def test_excluded_part_runs_once_and_gradients_are_bitwise():
+    torch.manual_seed(0)
+    plain = Block(exclude=False)
+    block = Block()
+    block.load_state_dict(plain.state_dict())
+    x = torch.randn(5, 8)
+    want = _grads(plain, x)
+    got = _grads(checkpoint_wrapper(block), x)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    router = block.router._checkpoint_wrapped_module
+    assert router.calls == 1 and int(router.tokens) == 5  # not replayed by the recompute
+
+
+def test_without_exclusion_the_router_runs_twice():
+    block = Block(exclude=False)
+    _grads(checkpoint_wrapper(block), torch.randn(5, 8))
+    # The Python side effect happens twice; the buffer write is already not replayed
+    # (recompute never writes external state, issue 13).
+    assert block.router.calls == 2 and int(block.router.tokens) == 5
+
+
+def test_exclusion_with_a_policy_and_retain_graph():
+    torch.manual_seed(1)
+    plain = Block(exclude=False)
+    block = Block()
+    block.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 8, requires_grad=True)
+    ref = plain(x).sum()
+    want = torch.autograd.grad(ref, x, retain_graph=True)[0]
+    out = checkpoint(block, x, policy_fn=[torch.ops.aten.mm, torch.ops.aten.addmm]).sum()
+    g1 = torch.autograd.grad(out, x, retain_graph=True)[0]
+    g2 = torch.autograd.grad(out, x)[0]  # a second recompute replays from the start
+    assert torch.equal(g1, want) and torch.equal(g2, want)
+    assert block.router._checkpoint_wrapped_module.calls == 1
+
+
+def test_excluded_function_called_twice_gets_each_output_back():
+    calls = []
+
+    def scale(t):
+        calls.append(is_recomputing())
+        return t * 3.0
+
+    ex = checkpoint_exclude_wrapper(scale)
+    x = torch.randn(6, requires_grad=True)
+    out = checkpoint(lambda t: ex(ex(t.sin()).cos()).exp(), x)
+    out.sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    ((((xr.sin() * 3).cos()) * 3).exp()).sum().backward()
+    assert torch.equal(x.grad, xr.grad)
+    assert calls == [False, False]
+    assert ex.save_output is True
+
+
+def test_save_output_false_feeds_another_exclusion():
+    def dispatch(t):
+        return t * 2.0
+
+    def combine(t):
+        return t.sin()
+
+    d = checkpoint_exclude_wrapper(dispatch, save_output=False)
+    c = checkpoint_exclude_wrapper(combine)
+    x = torch.randn(7, requires_grad=True)
+    out = checkpoint(lambda t: c(d(t.tanh())).square(), x)
+    out.sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    ((xr.tanh() * 2.0).sin().square()).sum().backward()
+    assert torch.equal(x.grad, xr.grad)
+
+
+def test_kept_bytes_with_and_without_save_output():
+    from hyper_parallel.core.activation_checkpoint import _exclude
+
+    kept = []
+    original = _exclude._Kept.__init__
+
+    def spy(self, out, save_output):
+        original(self, out, save_output)
+        kept.append(self.value)
+
+    _exclude._Kept.__init__ = spy
+    try:
+        for save in (True, False):
+            ex = checkpoint_exclude_wrapper(lambda t: t * 2.0, save_output=save)
+            x = torch.randn(256, requires_grad=True)
+            checkpoint(lambda t: ex(t.sin()).cos(), x).sum().backward()
+    finally:
+        _exclude._Kept.__init__ = original
+    assert isinstance(kept[0], torch.Tensor) and kept[0].nbytes == 256 * 4
+    assert not isinstance(kept[1], torch.Tensor)  # only its shape is kept
+
+
+def test_outside_checkpoint_it_is_a_plain_call():
+    router = Router(4)
+    ex = checkpoint_exclude_wrapper(router)
+    y = ex(torch.randn(2, 4))
+    assert y.shape == (2, 4) and router.calls == 1
+    assert list(dict(ex.named_parameters())) == ["proj.weight", "proj.bias"]
+
+
+def test_recompute_that_calls_it_more_often_raises():
+    ex = checkpoint_exclude_wrapper(lambda t: t + 1)
+
+    def fn(t):
+        h = ex(t.sin())
+        if is_recomputing():
+            h = ex(h)
+        return h.cos()
+
+    out = checkpoint(fn, torch.randn(3, requires_grad=True), determinism_check="none")
+    with pytest.raises(CheckpointError, match="hyper_parallel: checkpoint_exclude_wrapper"):
+        out.sum().backward()
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="save_output must be a bool"):
+        checkpoint_exclude_wrapper(nn.Linear(2, 2), save_output=1)
+    with pytest.raises(TypeError, match="expects an nn.Module or a callable"):
+        checkpoint_exclude_wrapper(3)
+
+
+def test_deepcopy_keeps_working():
+    block = Block()
+    twin = copy.deepcopy(block)
+    x = torch.randn(3, 8)
+    for a, b in zip(_grads(checkpoint_wrapper(block), x), _grads(checkpoint_wrapper(twin), x)):
+        assert torch.equal(a, b)
+    assert twin.router._checkpoint_wrapped_module.calls == 1

@@ -1,0 +1,117 @@
+"""PinnedMemoryPool: a capped host pool for swapped activations (issue 16)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from hyper_parallel.core.activation_checkpoint import (
+    CheckpointPolicy, PinnedMemoryPool, SwapManager, async_save_on_cpu, checkpoint, swap,
+    swap_tensor_wrapper, swap_wrapper)
+
+D = 32
+
+
+def _mlp(dev):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D)).to(dev)
+
+
+def test_swapped_activations_use_the_given_pool(cpu_swap, dev):
+    model = _mlp(dev)
+    ref = copy.deepcopy(model)
+    pool = PinnedMemoryPool(1 << 20)
+    x = torch.randn(8, D, device=dev)
+    engine_before = SwapManager().stats()["pinned_bytes_in_use"]
+    xs = x.clone().requires_grad_()
+    out = swap(model, xs, cpu_pool=pool)
+    SwapManager().synchronize()
+    held = pool.stats()["bytes_in_use"]
+    assert held >= 8 * 4 * D * 4  # at least the GELU input, offloaded into this pool
+    assert SwapManager().stats()["pinned_bytes_in_use"] == engine_before  # not the engine's
+    out.square().sum().backward()
+    SwapManager().synchronize()
+    st = pool.stats()
+    assert st["bytes_in_use"] == 0
+    assert st["bytes_in_use"] + st["bytes_pending"] + st["bytes_cached"] <= pool.max_host_bytes
+    ref_x = x.clone().requires_grad_()
+    ref(ref_x).square().sum().backward()
+    assert torch.equal(xs.grad, ref_x.grad)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_steady_loop_reuses_the_pools_blocks(cpu_swap, dev):
+    model = _mlp(dev)
+    pool = PinnedMemoryPool(1 << 20)
+    wrapped = swap_wrapper(model, cpu_pool=pool)
+    allocations = []
+    for _ in range(4):
+        wrapped(torch.randn(8, D, device=dev)).sum().backward()
+        SwapManager().synchronize()
+        allocations.append(pool.stats()["allocations"])
+    assert allocations[0] > 0 and allocations[-1] == allocations[1]  # no growth after warm-up
+    assert pool.stats()["reuses"] > 0
+
+
+def test_a_full_pool_raises_naming_its_cap_and_loses_nothing(cpu_swap, dev):
+    model = _mlp(dev)
+    pool = PinnedMemoryPool(4096)  # one page: the 4 KiB GELU input of 8x128 floats fits...
+    x = torch.randn(8, D, device=dev, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"hyper_parallel: host pool full.*cap of 4096 bytes"):
+        swap(model, x, cpu_pool=pool)  # ...the next tensor does not
+    # The tensors that stayed on device were not touched, and the engine works on.
+    out = swap(model, x, cpu_pool=PinnedMemoryPool(1 << 20))
+    out.sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    g = x.grad.clone()
+    model.zero_grad()
+    model(xr).sum().backward()
+    assert torch.equal(g, xr.grad)
+
+
+def test_checkpoint_must_swap_and_registered_tensors_use_the_pool(cpu_swap, dev):
+    model = _mlp(dev)
+    ref = copy.deepcopy(model)
+    pool = PinnedMemoryPool(1 << 20)
+    x = torch.randn(8, D, device=dev)
+    policy = {torch.ops.aten.addmm.default: CheckpointPolicy.MUST_SWAP}
+    xs = x.clone().requires_grad_()
+    out = checkpoint(model, xs, policy_fn=policy, cpu_pool=pool)
+    SwapManager().synchronize()
+    assert pool.stats()["bytes_in_use"] >= 8 * 4 * D * 4
+    out.sum().backward()
+    xr = x.clone().requires_grad_()
+    ref(xr).sum().backward()
+    assert torch.equal(xs.grad, xr.grad)
+
+    pool2 = PinnedMemoryPool(1 << 20)
+
+    def body(t):
+        h = swap_tensor_wrapper(t * 3, cpu_pool=pool2)
+        return (h * h).exp()  # saves h after its registration
+
+    t = torch.randn(64, D, device=dev, requires_grad=True)
+    with SwapManager().group_context("pooled"):
+        y = body(t)
+    SwapManager().launch_offload("pooled")
+    SwapManager().wait_offload("pooled")
+    assert pool2.stats()["bytes_in_use"] == 64 * D * 4  # 8 KiB: exactly one size class
+    y.sum().backward()
+    tr = t.detach().clone().requires_grad_()
+    ((tr * 3) * (tr * 3)).exp().sum().backward()
+    assert torch.equal(t.grad, tr.grad)
+
+
+def test_bad_pools_are_refused():
+    for bad in (0, -1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="hyper_parallel: PinnedMemoryPool"):
+            PinnedMemoryPool(bad)
+    with pytest.raises(TypeError, match="cpu_pool must be a PinnedMemoryPool"):
+        swap(lambda t: t, torch.ones(1), cpu_pool=1 << 20)
+    with pytest.raises(TypeError, match="cpu_pool must be a PinnedMemoryPool"):
+        swap_wrapper(nn.Linear(2, 2), cpu_pool="pool")
+    with pytest.raises(TypeError, match="cpu_pool must be a PinnedMemoryPool"):
+        async_save_on_cpu(cpu_pool=object())
+    assert "max_host_bytes=4096" in repr(PinnedMemoryPool(4096))

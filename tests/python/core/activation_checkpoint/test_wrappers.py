@@ -1,0 +1,132 @@
+"""ActivationWrapper: the public base class, its attributes, prefix-free names in the
+parent's named_parameters()/named_modules(), and the nesting warning (issue 16)."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from hyper_parallel.core.activation_checkpoint import (
+    ActivationWrapper, CheckpointExcludeWrapper, CheckpointPolicy, checkpoint_exclude_wrapper,
+    checkpoint_wrapper, swap_wrapper)
+
+
+class Layer(nn.Module):
+    def __init__(self, d=4):
+        super().__init__()
+        self.q_proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, d), nn.ReLU())
+
+    def forward(self, x):
+        return self.mlp(self.q_proj(x))
+
+
+class Model(nn.Module):
+    def __init__(self, n=2):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_parent_names_are_those_of_the_unwrapped_model():
+    plain = Model()
+    wrapped = Model()
+    wrapped.load_state_dict(plain.state_dict())
+    for i in range(2):
+        wrapped.layers[i] = checkpoint_wrapper(wrapped.layers[i])
+    params = [n for n, _ in wrapped.named_parameters()]
+    assert params == [n for n, _ in plain.named_parameters()]
+    assert not any("_checkpoint_wrapped_module" in n for n, _ in wrapped.named_modules())
+    names = {n for n, _ in wrapped.named_modules()}
+    assert names == {n for n, _ in plain.named_modules()}
+    # The wrapper and the module it wraps share one name, wrapper first.
+    pairs = [(n, type(m).__name__) for n, m in wrapped.named_modules() if n == "layers.0"]
+    assert pairs == [("layers.0", "CheckpointWrapper"), ("layers.0", "Layer")]
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+    assert len(list(wrapped.parameters())) == len(list(plain.parameters()))
+
+
+def test_optimizer_groups_and_lora_style_targets_from_names():
+    torch.manual_seed(0)
+    plain, wrapped = Model(), Model()
+    wrapped.load_state_dict(plain.state_dict())
+    wrapped.layers[0] = checkpoint_wrapper(wrapped.layers[0])
+    wrapped.layers[1] = swap_wrapper(wrapped.layers[1])
+
+    def groups(model):
+        decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+        return torch.optim.SGD([{"params": decay, "weight_decay": 0.1},
+                                {"params": rest, "weight_decay": 0.0}], lr=0.1)
+
+    x = torch.randn(3, 4)
+    for model in (plain, wrapped):
+        opt = groups(model)
+        model(x).square().sum().backward()
+        opt.step()
+    for (n, a), (m, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
+        assert n == m and torch.equal(a, b)
+    # A LoRA-style injection by name reaches the module the forward uses.
+    targets = [n for n, m in wrapped.named_modules() if n.endswith("q_proj")]
+    assert targets == ["layers.0.q_proj", "layers.1.q_proj"]
+    new = nn.Linear(4, 4)
+    parent = wrapped.get_submodule("layers.0")
+    setattr(parent, "q_proj", new)
+    assert wrapped.layers[0]._checkpoint_wrapped_module.q_proj is new
+    assert wrapped.get_submodule("layers.0.q_proj") is new
+
+
+def test_isinstance_and_attributes():
+    policy = {torch.ops.aten.mm.default: CheckpointPolicy.MUST_SAVE}
+    ck = checkpoint_wrapper(Layer(), policy_fn=policy, group_swap=True)
+    sw = swap_wrapper(Layer(), group_swap=True)
+    ex = checkpoint_exclude_wrapper(Layer())
+    for w in (ck, sw, ex):
+        assert isinstance(w, ActivationWrapper)
+    assert isinstance(ex, CheckpointExcludeWrapper)
+    assert ck.group_swap is True and ck.checkpoint_kwargs["group_swap"] is True
+    assert [(n, p.name) for n, p in ck.policy_fn.table.entries()] == [
+        ("aten.mm.default", "MUST_SAVE")]  # the compiled policy
+    assert sw.policy_fn is None and sw.group_swap is True
+    assert sw.checkpoint_kwargs == {"policy_fn": None, "group_swap": True, "cpu_pool": None}
+    fn = checkpoint_wrapper(lambda t: t.sin(), group_swap=True)
+    assert fn.checkpoint_kwargs == {"group_swap": True} and fn.group_swap is True
+    assert fn.policy_fn is None
+    sfn = swap_wrapper(lambda t: t.sin())
+    assert sfn.group_swap is False and sfn.policy_fn is None
+
+
+def test_nested_wrappers_warn_naming_both_and_stay_correct():
+    torch.manual_seed(0)
+    layer = Layer()
+    ref = Layer()
+    ref.load_state_dict(layer.state_dict())
+    outer = checkpoint_wrapper(layer)
+    layer.mlp = swap_wrapper(layer.mlp)  # wrapped inside an already wrapped layer
+    x = torch.randn(2, 4)
+    with pytest.warns(UserWarning, match=r"swap_wrapper\(Sequential\) is nested inside "
+                                         r"checkpoint_wrapper\(Layer\)"):
+        outer(x).sum().backward()
+    ref(x).sum().backward()
+    for a, b in zip(ref.parameters(), layer.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    # The reverse order warns at wrapping time.
+    inner = Layer()
+    inner.mlp = swap_wrapper(inner.mlp)
+    with pytest.warns(UserWarning, match=r"swap_wrapper\(Sequential\) is nested inside "
+                                         r"checkpoint_wrapper\(Layer\)"):
+        checkpoint_wrapper(inner)
+
+
+def test_exclusion_inside_a_checkpoint_does_not_warn():
+    layer = Layer()
+    layer.mlp = checkpoint_exclude_wrapper(layer.mlp)
+    wrapped = checkpoint_wrapper(layer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped(torch.randn(2, 4)).sum().backward()
