@@ -22,6 +22,22 @@ class Block(nn.Module):
         return x + self.drop(h) * self.scale
 
 
+class OpsNet(nn.Module):
+    """One op of each policy-relevant kind: addmm (Linear with bias), relu, mm (Linear
+    without bias), tanh; input (n, D) float32."""
+
+    D = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.fc1 = nn.Linear(self.D, 2 * self.D)
+        self.fc2 = nn.Linear(2 * self.D, self.D, bias=False)
+
+    def forward(self, x):
+        return torch.tanh(self.fc2(torch.relu(self.fc1(x))))
+
+
 class Stack(nn.Module):
     def __init__(self, layers: int = 4, d: int = 32, dropout: float = 0.0) -> None:
         super().__init__()

@@ -94,16 +94,6 @@ def train_and_compare(ref, model, steps=3, seed=0, batch=(4, D), after_forward=N
     assert_equal_tensors(list(model.parameters()), list(ref.parameters()))
 
 
-@pytest.fixture
-def cpu_swap_backend():
-    """Host tensors swappable through the worker-thread copy backend, with a small delay."""
-    manager = SwapManager()
-    manager.set_cpu_swap(True, delay_ns_per_byte=0.05)
-    yield manager
-    manager.synchronize()
-    manager.set_cpu_swap(False, delay_ns_per_byte=0.0)
-
-
 def guide_policy(ctx, op, *args, **kwargs):
     """The user guide's policy shape: compare op names as strings."""
     op_name_attr = getattr(op, "name", None)
@@ -128,14 +118,14 @@ def test_gradients_equal_reference_over_steps(wrap_kwargs):
     train_and_compare(ref, model)
 
 
-def test_selective_must_swap_with_prefetch_chain(cpu_swap_backend, caches):
+def test_selective_must_swap_with_prefetch_chain(host_swap, caches):
     policy = {"aten.addmm": CheckpointPolicy.MUST_SWAP}
     ref, model = make_pair(layers=4, policy_fn=policy)
     chain(model)
     per_output = 4 * 2 * D * 4 + 4 * D * 4  # fc1 and fc2 outputs of one layer, fp32 bytes
 
     def after_forward(step):
-        cpu_swap_backend.synchronize()
+        host_swap.synchronize()
         assert len(caches) == 4
         for i, cache in enumerate(caches):
             assert cache.stats()["swapped_tensors"] == 2
@@ -144,35 +134,35 @@ def test_selective_must_swap_with_prefetch_chain(cpu_swap_backend, caches):
                 assert sizes == [0, 0], (i, sizes)  # offloaded: device memory released
             else:
                 assert sizes == [4 * 2 * D * 4, 4 * D * 4]  # the last layer keeps its own
-        stats = cpu_swap_backend.stats()
+        stats = host_swap.stats()
         assert stats["offload_bytes"] == (step + 1) * 3 * per_output  # counters accumulate
         assert stats["offload_count"] == (step + 1) * 6
         caches.clear()
 
     train_and_compare(ref, model, after_forward=after_forward)
-    stats = cpu_swap_backend.stats()
+    stats = host_swap.stats()
     assert stats["reload_count"] == stats["offload_count"] == 6 * 3
     assert stats["on_demand_reloads"] == 0  # every reload was a prefetch of the schedule
 
 
-def test_must_swap_with_group_swap_fuses_the_copies(cpu_swap_backend):
+def test_must_swap_with_group_swap_fuses_the_copies(host_swap):
     ref, model = make_pair(layers=3, policy_fn={"aten.addmm": CheckpointPolicy.MUST_SWAP},
                            group_swap=True)
     chain(model)
 
     def after_forward(step):
-        cpu_swap_backend.synchronize()
-        stats = cpu_swap_backend.stats()
+        host_swap.synchronize()
+        stats = host_swap.stats()
         # The two small outputs of each released layer travel in one fused copy, out in
         # every forward and back in every earlier backward.
         assert stats["offload_count"] == (step + 1) * 4
         assert stats["fused_copies"] == (step + 1) * 2 + step * 2
 
     train_and_compare(ref, model, after_forward=after_forward)
-    assert cpu_swap_backend.stats()["on_demand_reloads"] == 0
+    assert host_swap.stats()["on_demand_reloads"] == 0
 
 
-def test_selective_submodule_inside_scheduled_layers(cpu_swap_backend, caches):
+def test_selective_submodule_inside_scheduled_layers(host_swap, caches):
     """The guide's composition: the chain is registered over plain layers, and a submodule
     of each is checkpoint-wrapped with MUST_SWAP: its outputs join the layer's group."""
 
@@ -204,32 +194,32 @@ def test_selective_submodule_inside_scheduled_layers(cpu_swap_backend, caches):
     chain(model)
 
     def after_forward(step):
-        cpu_swap_backend.synchronize()
+        host_swap.synchronize()
         sizes = [[t.untyped_storage().nbytes() for t in c.cached_tensors(swapped=True)]
                  for c in caches]
         assert sizes == [[0, 0]] * 3 + [[4 * 2 * D * 4, 4 * D * 4]]
         caches.clear()
 
     train_and_compare(ref, model, after_forward=after_forward)
-    assert cpu_swap_backend.stats()["on_demand_reloads"] == 0
+    assert host_swap.stats()["on_demand_reloads"] == 0
 
 
-def test_checkpoint_swap_inputs_with_prefetch_chain(cpu_swap_backend):
+def test_checkpoint_swap_inputs_with_prefetch_chain(host_swap):
     ref, model = make_pair(layers=4, swap_inputs=True)
     chain(model)
     input_bytes = 4 * D * 4
 
     def after_forward(step):
-        cpu_swap_backend.synchronize()
+        host_swap.synchronize()
         # Layer 0's input is held by the test; layers 1 and 2 hand theirs to the host;
         # the last layer keeps its input on device.
-        assert cpu_swap_backend.stats()["offload_bytes"] == (step + 1) * 2 * input_bytes
+        assert host_swap.stats()["offload_bytes"] == (step + 1) * 2 * input_bytes
 
     train_and_compare(ref, model, after_forward=after_forward)
-    assert cpu_swap_backend.stats()["reload_bytes"] == 3 * 2 * input_bytes
+    assert host_swap.stats()["reload_bytes"] == 3 * 2 * input_bytes
 
 
-def test_checkpoint_swap_inputs_functional(cpu_swap_backend):
+def test_checkpoint_swap_inputs_functional(host_swap):
     lin1, lin2 = nn.Linear(D, D), nn.Linear(D, D)
 
     def first(h):
@@ -244,10 +234,10 @@ def test_checkpoint_swap_inputs_functional(cpu_swap_backend):
     y = checkpoint(first, h, swap_inputs=True)
     del h  # (the next region's end is the next release point)
     out = checkpoint(second, torch.tanh(y), swap_inputs=True)
-    cpu_swap_backend.synchronize()
-    assert cpu_swap_backend.stats()["offload_bytes"] == 8 * D * 4
+    host_swap.synchronize()
+    assert host_swap.stats()["offload_bytes"] == 8 * D * 4
     out.sum().backward()
-    assert cpu_swap_backend.stats()["reload_bytes"] == 8 * D * 4
+    assert host_swap.stats()["reload_bytes"] == 8 * D * 4
     ref_x = x.detach().clone().requires_grad_(True)
     grads = [x.grad, *(p.grad.clone() for p in (*lin1.parameters(), *lin2.parameters()))]
     for p in (*lin1.parameters(), *lin2.parameters()):
@@ -425,7 +415,7 @@ def test_autograd_grad_with_a_subset_of_inputs(policy):
 @pytest.mark.parametrize("policy", [None, MATMULS, {"aten.addmm": CheckpointPolicy.MUST_SWAP}],
                          ids=["full", "save_matmuls", "must_swap"])
 @pytest.mark.filterwarnings("ignore:hyper_parallel. swap region:UserWarning")
-def test_retain_graph_second_backward(policy, cpu_swap_backend):
+def test_retain_graph_second_backward(policy, host_swap):
     ref, model = make_pair(layers=2, policy_fn=policy)
     x = torch.randn(4, D)
     loss_ref = ref(x)
@@ -502,7 +492,7 @@ def test_cached_tensor_mutated_after_the_region_raises_clearly():
 
 
 @pytest.mark.filterwarnings("ignore:hyper_parallel. swap region:UserWarning")
-def test_swapped_tensor_mutated_after_the_region_raises_clearly(cpu_swap_backend):
+def test_swapped_tensor_mutated_after_the_region_raises_clearly(host_swap):
     w = torch.randn(D, D, requires_grad=True)
 
     def fn(x):
@@ -519,7 +509,7 @@ def test_swapped_tensor_mutated_after_the_region_raises_clearly(cpu_swap_backend
 
 @pytest.mark.parametrize("policy", [CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_SWAP])
 @pytest.mark.filterwarnings("ignore:hyper_parallel. swap region:UserWarning")
-def test_cached_tensor_mutated_inside_the_region_is_recomputed(policy, caches, cpu_swap_backend,
+def test_cached_tensor_mutated_inside_the_region_is_recomputed(policy, caches, host_swap,
                                                                monkeypatch):
     monkeypatch.setattr(_selective, "_warned_demoted", set())  # the warning is once per op
     w = torch.randn(D, D, requires_grad=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hyper_parallel.core.activation_checkpoint import (
-    SwapManager, checkpoint, checkpoint_wrapper, swap_wrapper)
+    checkpoint, checkpoint_wrapper, swap_wrapper)
 
 from ._compile_support import (
     CountingBackend, assert_same, fresh, graph_breaks, train_steps, twin_block)
@@ -44,18 +44,8 @@ def test_functional_checkpoint_of_a_compiled_function():
     assert_same(eager, compiled)
 
 
-@pytest.fixture
-def cpu_swap():
-    manager = SwapManager()
-    manager.set_cpu_swap(True)
-    manager.reset_stats()
-    yield manager
-    manager.synchronize()
-    manager.set_cpu_swap(False)
-
-
 @pytest.mark.filterwarnings("ignore:hyper_parallel. swap region")
-def test_swap_wrapper_of_a_compiled_block_swaps_its_saved_tensors(cpu_swap):
+def test_swap_wrapper_of_a_compiled_block_swaps_its_saved_tensors(host_swap):
     fresh()
     eager_block, block = twin_block()
     x0 = torch.randn(4, 8)
@@ -63,10 +53,10 @@ def test_swap_wrapper_of_a_compiled_block_swaps_its_saved_tensors(cpu_swap):
     counting = CountingBackend()
     compiled_block = torch.compile(block, backend=counting)
     saved_by_compiled = train_steps(compiled_block, x0, steps=1)[3]
-    cpu_swap.reset_stats()
+    host_swap.reset_stats()
     compiled = train_steps(swap_wrapper(compiled_block), x0, steps=1)
-    cpu_swap.synchronize()
-    stats = cpu_swap.stats()
+    host_swap.synchronize()
+    stats = host_swap.stats()
     assert counting.compiles == 1 and counting.runs == 2
     # Every byte the compiled block saves for backward went to the host and came back.
     assert stats["offload_bytes"] == saved_by_compiled > 0

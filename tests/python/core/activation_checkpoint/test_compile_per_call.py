@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hyper_parallel.core.activation_checkpoint import (
-    SwapManager, checkpoint_wrapper, swap_tensor_wrapper, swap_wrapper)
+    checkpoint_wrapper, swap_tensor_wrapper, swap_wrapper)
 
 from ._compile_support import CountingBackend, TinyBlock, fresh, graph_breaks, unique_graphs
 
@@ -31,20 +31,9 @@ def _model(order: str) -> nn.ModuleList:
     return layers
 
 
-@pytest.fixture
-def cpu_swap():
-    manager = SwapManager()
-    manager.set_cpu_swap(True)
-    manager.reset()
-    yield manager
-    manager.synchronize()
-    manager.reset()
-    manager.set_cpu_swap(False)
-
-
 @pytest.mark.filterwarnings("ignore:hyper_parallel")
 @pytest.mark.parametrize("order", ["traced", "compiled_inside"])
-def test_later_steps_neither_break_nor_recompile(order, cpu_swap):
+def test_later_steps_neither_break_nor_recompile(order, host_swap):
     fresh()
     counting = CountingBackend()
     layers = _model(order)
@@ -57,7 +46,7 @@ def test_later_steps_neither_break_nor_recompile(order, cpu_swap):
         layers = nn.ModuleList([swap_wrapper(layers[0]), checkpoint_wrapper(layers[1]),
                                 checkpoint_wrapper(layers[2], policy_fn=[aten.addmm])])
     for a, b in zip(layers, layers[1:]):
-        cpu_swap.set_forward_prefetch_layer(a, b)
+        host_swap.set_forward_prefetch_layer(a, b)
     x0 = torch.randn(4, 8)
 
     def step():
@@ -66,7 +55,7 @@ def test_later_steps_neither_break_nor_recompile(order, cpu_swap):
         for layer in layers:
             h = layer(h)
         h.sum().backward()
-        cpu_swap.stats()
+        host_swap.stats()
         return x.grad
 
     first = step()
@@ -74,10 +63,10 @@ def test_later_steps_neither_break_nor_recompile(order, cpu_swap):
         counting.runs
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(2):
-            cpu_swap.reset_stats()
+            host_swap.reset_stats()
             assert torch.equal(step(), first)
     assert counting.compiles == compiles and unique_graphs() == graphs
     assert graph_breaks() == breaks
     assert counting.runs == 3 * runs  # every step ran the same compiled graphs
-    cpu_swap.synchronize()
-    assert cpu_swap.stats()["offload_bytes"] > 0  # the first layer was swapped in the last step
+    host_swap.synchronize()
+    assert host_swap.stats()["offload_bytes"] > 0  # the first layer was swapped in the last step

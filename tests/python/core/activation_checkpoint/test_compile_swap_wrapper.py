@@ -11,16 +11,6 @@ from ._compile_support import (
     CountingBackend, assert_same, fresh, graph_breaks, train_steps, twin_block, unique_graphs)
 
 
-@pytest.fixture
-def cpu_swap():
-    manager = SwapManager()
-    manager.set_cpu_swap(True)
-    manager.reset_stats()
-    yield manager
-    manager.synchronize()
-    manager.set_cpu_swap(False)
-
-
 def _region_breaks() -> int:
     """Graph breaks at our region entry and exit; fails on any other break."""
     breaks = graph_breaks()
@@ -31,7 +21,7 @@ def _region_breaks() -> int:
 
 
 @pytest.mark.filterwarnings("ignore:hyper_parallel. swap region")
-def test_body_compiled_breaks_only_at_region_entry_and_exit(cpu_swap):
+def test_body_compiled_breaks_only_at_region_entry_and_exit(host_swap):
     fresh()
     eager_block, block = twin_block()
     x0 = torch.randn(4, 8)
@@ -42,8 +32,8 @@ def test_body_compiled_breaks_only_at_region_entry_and_exit(cpu_swap):
     fresh()
     counting = CountingBackend()
     compiled = train_steps(torch.compile(swap_wrapper(block), backend=counting), x0, steps=1)
-    cpu_swap.synchronize()
-    stats = cpu_swap.stats()
+    host_swap.synchronize()
+    stats = host_swap.stats()
     assert _region_breaks() == 2
     assert unique_graphs() == 1 and counting.compiles == 1 and counting.runs == 1
     assert stats["offload_bytes"] == saved_by_compiled > 0
@@ -65,7 +55,7 @@ class Boom(torch.nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:hyper_parallel. swap region")
-def test_a_failing_body_leaves_nothing_installed(cpu_swap):
+def test_a_failing_body_leaves_nothing_installed(host_swap):
     fresh()
     boom = Boom()
     wrapper = torch.compile(swap_wrapper(boom), backend="aot_eager")

@@ -3,38 +3,15 @@
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch import nn
 
 from hyper_parallel._extension import _C
 from hyper_parallel.core.activation_checkpoint import CheckpointPolicy, checkpoint
 from hyper_parallel.core.activation_checkpoint import _selective
 from hyper_parallel.core.activation_checkpoint._selective import compile_policy
 
-D = 8
+from ._models import OpsNet as Net
 
-
-@pytest.fixture
-def cpu_swap_backend():
-    from hyper_parallel.core.activation_checkpoint import SwapManager
-
-    manager = SwapManager()
-    manager.set_cpu_swap(True)
-    yield manager
-    manager.synchronize()
-    manager.set_cpu_swap(False)
-
-
-class Net(nn.Module):
-    """addmm (Linear with bias), relu, mm (Linear without bias), tanh."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(5)
-        self.fc1 = nn.Linear(D, 2 * D)
-        self.fc2 = nn.Linear(2 * D, D, bias=False)
-
-    def forward(self, x):
-        return torch.tanh(self.fc2(torch.relu(self.fc1(x))))
+D = Net.D
 
 
 def decisions(cache):
@@ -81,7 +58,7 @@ def forward_once(policy):
     (torch_checkpoint.CheckpointPolicy.PREFER_CPU_OFFLOAD, "swapped"),
 ])
 @pytest.mark.filterwarnings("ignore:hyper_parallel. swap region:UserWarning")
-def test_every_policy_value_is_honoured(value, kind, caches, cpu_swap_backend):
+def test_every_policy_value_is_honoured(value, kind, caches, host_swap):
     def policy(ctx, op, *args, **kwargs):
         return value if op == torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -161,7 +138,7 @@ def test_list_policy_makes_no_python_call_per_op(monkeypatch, caches):
 
 # ------------------------------------------------------------------ dict tables
 
-def test_dict_maps_ops_to_policies_with_a_default(caches, cpu_swap_backend):
+def test_dict_maps_ops_to_policies_with_a_default(caches, host_swap):
     import warnings
 
     with warnings.catch_warnings():

@@ -17,21 +17,10 @@ from hyper_parallel.core.activation_checkpoint import (
     swap_wrapper,
 )
 
+from ._models import OpsNet as Net
+
 aten = torch.ops.aten
-D = 8
-
-
-class Net(nn.Module):
-    """addmm (Linear with bias), relu, mm (Linear without bias), tanh."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(5)
-        self.fc1 = nn.Linear(D, 2 * D)
-        self.fc2 = nn.Linear(2 * D, D, bias=False)
-
-    def forward(self, x):
-        return torch.tanh(self.fc2(torch.relu(self.fc1(x))))
+D = Net.D
 
 
 def assert_same(got, ref):
