@@ -754,6 +754,7 @@ void SwapEngine::reload_batch_locked(const std::vector<std::shared_ptr<StorageRe
 }
 
 void SwapEngine::load_group_locked(const std::shared_ptr<SwapGroup>& group) {
+  group->load_launched = true;
   // Buckets reload as units; every other offloaded record of the group goes in one batch.
   std::vector<std::shared_ptr<StorageRecord>> singles;
   for (const auto& r : group->records()) {
@@ -834,6 +835,11 @@ void SwapEngine::wait_offload(const std::shared_ptr<SwapGroup>& group) {
   std::vector<CopyEventPtr> events;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // A wait with nothing launched is a schedule bug (the copies it meant to wait for
+    // never start); the reference refuses it too.
+    HP_CHECK_VALUE(group->released, "wait_offload('", group->name(),
+                   "') before launch_offload: the group's offload was never started; call "
+                   "launch_offload('", group->name(), "') first");
     for (const auto& r : group->records()) {
       if (r->state() == Residency::kOffloading) events.push_back(r->d2h_done);
     }
@@ -857,6 +863,9 @@ void SwapEngine::wait_load(const std::shared_ptr<SwapGroup>& group) {
   std::string label;  // timeline only
   {
     std::lock_guard<std::mutex> lock(mu_);
+    HP_CHECK_VALUE(group->load_launched || group->backward_started, "wait_load('",
+                   group->name(), "') before launch_load: the group's reload was never "
+                   "started; call launch_load('", group->name(), "') first");
     for (const auto& r : group->records()) {
       if (r->state() == Residency::kReloading) pending.emplace_back(r, r->h2d_done);
     }

@@ -67,6 +67,7 @@ class SwapGroup {
 
   bool forward_done = false;
   bool released = false;    // this invocation allows its records to leave the device
+  bool load_launched = false;  // a reload of its records was started (launch_load, prefetch)
   bool aborted = false;     // forward raised
   // The backward of this invocation began (its pre-hook fired, a later layer's backward
   // prefetched it, or autograd unpacked one of its tensors): its records stay on device

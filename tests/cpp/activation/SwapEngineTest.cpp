@@ -397,7 +397,12 @@ TEST(SwapEngineTest, ManualGroupMovesOnlyWhenTold) {
   b.reset();
   EXPECT_FALSE(engine.end_forward(g));
   EXPECT_EQ(ha->record()->state(), Residency::kDevice);
+  // A wait before its launch is refused, and moves nothing.
+  EXPECT_THROW(engine.wait_offload(g), c10::ValueError);
+  EXPECT_THROW(engine.wait_load(g), c10::ValueError);
+  EXPECT_EQ(ha->record()->state(), Residency::kDevice);
   engine.launch_offload(g);
+  EXPECT_THROW(engine.wait_load(g), c10::ValueError);  // offloaded, not yet reloading
   EXPECT_EQ(storage_nbytes(*ha), 0u);
   EXPECT_EQ(storage_nbytes(*hb), 0u);
   engine.wait_offload(g);

@@ -21,6 +21,7 @@ from ._apply import (
 )
 from ._async_save import AsyncSaveOnCpu, async_save_on_cpu
 from ._checkpoint import CheckpointWrapper, checkpoint, checkpoint_sequential, checkpoint_wrapper
+from ._errors import ArgumentKindError
 from ._exclude import CheckpointExcludeWrapper, checkpoint_exclude_wrapper
 from ._host_pool import PinnedMemoryPool
 from ._ignored_ops import ignore_sac_ops
@@ -45,6 +46,7 @@ __all__ = [
     "ActivationProfile",
     "ActivationTrace",
     "ActivationWrapper",
+    "ArgumentKindError",
     "AsyncSaveOnCpu",
     "CheckpointError",
     "CheckpointExcludeWrapper",

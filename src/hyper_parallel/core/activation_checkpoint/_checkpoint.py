@@ -26,6 +26,7 @@ from hyper_parallel._extension import _C
 from . import _compile
 from ._backends import backend_for, wrapper_dispatch
 from ._host_pool import native_pool
+from ._recompute_state import reentrant_call
 from ._region import REGISTERED_ONLY, SWAP_ALL, Region
 from ._selective import check_bool, compile_policy, region_context_fn, state_context_fn
 from ._swap import LayerCall, in_backward, resolve_layer
@@ -331,7 +332,7 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         # torch's reentrant frame alone: it saves nothing inside the region (the forward
         # runs without grad), so no swap group or region mode has anything to do.
         call, call_args = _with_bound_kwargs(function, args, kwargs)
-        return torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
+        return torch_checkpoint.checkpoint(reentrant_call(call), *call_args, **ckpt_kwargs)
     key = _mode_key(function) if policy is None else None
     training = _training(key) if key is not None else None
     if debug or _debug_forced():

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ._recompute_state import get_recompute_state
+from ._errors import ArgumentKindError
+from ._recompute_state import get_recompute_state, in_reentrant_region
 from ._wrappers import ActivationWrapper
 
 
@@ -69,6 +70,12 @@ def _for_recompute(x):
 def run_excluded(key, fn, save_output: bool, what: str, args, kwargs):
     """``fn(*args, **kwargs)`` as an exclusion region of the enclosing checkpoint region
     invocation (``key`` identifies the wrapper; ``what`` names it in errors)."""
+    if in_reentrant_region():
+        raise torch.utils.checkpoint.CheckpointError(
+            f"hyper_parallel: checkpoint_exclude_wrapper({what}) runs inside a "
+            "use_reentrant=True checkpoint, whose backward replays the whole body and would "
+            "run it a second time. Use use_reentrant=False (the default) for regions that "
+            "hold exclusions, and around them.")
     state = get_recompute_state()
     if state is None:
         return fn(*args, **kwargs)  # outside any checkpoint region: nothing to exclude
@@ -133,18 +140,21 @@ def checkpoint_exclude_wrapper(module, *, save_output=True):
         The wrapper.
 
     Raises:
-        TypeError: when ``module`` is neither a module nor callable, or ``save_output`` is
-            not a bool.
+        ArgumentKindError: (a TypeError and a ValueError) when ``module`` is neither a
+            module nor callable, or ``save_output`` is not a bool.
         torch.utils.checkpoint.CheckpointError: in backward, when the recompute calls the
-            wrapper more often than the forward did.
+            wrapper more often than the forward did; in forward, when the wrapper runs
+            inside a ``use_reentrant=True`` checkpoint (whose recompute would run the part
+            again).
     """
     if not isinstance(save_output, bool):
-        raise TypeError(f"hyper_parallel: save_output must be a bool; got {save_output!r}")
+        raise ArgumentKindError(f"hyper_parallel: checkpoint_exclude_wrapper's save_output must "
+                                f"be a bool; got {save_output!r}")
     if isinstance(module, nn.Module):
         return CheckpointExcludeWrapper(module, save_output=save_output)
     if not callable(module):
-        raise TypeError("hyper_parallel: checkpoint_exclude_wrapper expects an nn.Module or a "
-                        f"callable, got {type(module).__name__}")
+        raise ArgumentKindError("hyper_parallel: checkpoint_exclude_wrapper's module must be an "
+                                f"nn.Module or a callable; got {type(module).__name__}")
     what = getattr(module, "__qualname__", type(module).__name__)
 
     @functools.wraps(module)

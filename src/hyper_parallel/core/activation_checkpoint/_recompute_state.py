@@ -158,6 +158,28 @@ def contexts():
     return _Forward(state), _Recompute(state)
 
 
+def reentrant_call(function):
+    """``function`` marked, while it runs, as the body of a ``use_reentrant=True``
+    checkpoint (torch's reentrant frame: no recompute state, the whole body replayed in
+    backward), so that an exclusion region inside can refuse to run."""
+
+    def run(*args):
+        _tls.reentrant = _tls.__dict__.get("reentrant", 0) + 1
+        try:
+            return function(*args)
+        finally:
+            _tls.reentrant -= 1
+
+    return run
+
+
+def in_reentrant_region() -> bool:
+    """Whether this thread runs the body of a ``use_reentrant=True`` checkpoint (at any
+    depth: regions of ours nested in it run once without grad in its forward and again
+    in its replay, so whatever they hold runs twice as well)."""
+    return _tls.__dict__.get("reentrant", 0) > 0
+
+
 def get_recompute_state() -> RecomputeState | None:
     """The innermost checkpoint region invocation running on this thread, or ``None``
     outside every checkpoint region (and inside torch's own checkpoint without our

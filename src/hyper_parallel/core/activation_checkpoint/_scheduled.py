@@ -35,6 +35,8 @@ import weakref
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+from ._errors import ArgumentKindError
+
 _GraphExecGroup = getattr(torch_checkpoint, "GraphExecGroup", None)
 _Frame = getattr(torch_checkpoint, "_CheckpointFrame", None)
 
@@ -66,6 +68,10 @@ class RecomputeHandle:
     def alive(self) -> bool:
         """Whether the region's graph (and so something to recompute) still exists."""
         return self._frame() is not None
+
+    def recompute(self, session_id) -> bool:
+        """``recompute_handle(self, session_id)`` (the reference's method form)."""
+        return recompute_handle(self, session_id)
 
     def __repr__(self) -> str:
         return f"RecomputeHandle(alive={self.alive})"
@@ -121,11 +127,17 @@ else:  # pragma: no cover - old torch
 
 
 def _session(session_id, create: bool = True):
+    if session_id is None:
+        # Almost always an id lost on the way (``getattr(batch, "id", None)``): two
+        # schedules would silently share one session.
+        raise ValueError("hyper_parallel: a recompute session_id must not be None; pass the "
+                         "same explicit id (e.g. (\"micro-batch\", k)) to recompute_handle, "
+                         "recompute_session_ctx and clear_recompute_session.")
     try:
         hash(session_id)
     except TypeError:
-        raise TypeError(f"hyper_parallel: a recompute session id must be hashable (a str, "
-                        f"int or tuple); got {type(session_id).__name__}") from None
+        raise ArgumentKindError(f"hyper_parallel: a recompute session_id must be hashable (a "
+                                f"str, int or tuple); got {type(session_id).__name__}") from None
     with _lock:
         session = _sessions.get(session_id)
         if session is None and create:
@@ -133,11 +145,17 @@ def _session(session_id, create: bool = True):
         return session
 
 
+def _in_session() -> bool:
+    """Whether a recompute_session_ctx is active on this thread."""
+    return _GraphExecGroup is not None and isinstance(torch._C._get_graph_exec_group(), _Session)
+
+
 def collect(rstate) -> None:
     """Called by the region modes when a region's forward ends: hands its handle to the
-    innermost collector of this thread (not during a recompute)."""
+    innermost collector of this thread, and makes the region retainable by sessions when
+    a collector or a session is active (not during a recompute)."""
     stack = _tls.__dict__.get("collectors")
-    if not stack or rstate.is_recomputing or rstate.frame is None:
+    if (not stack and not _in_session()) or rstate.is_recomputing or rstate.frame is None:
         return
     from ._region import in_backward
 
@@ -147,7 +165,8 @@ def collect(rstate) -> None:
     if frame is None:
         return
     _make_retainable(frame)
-    stack[-1].append(RecomputeHandle(rstate.frame))
+    if stack:
+        stack[-1].append(RecomputeHandle(rstate.frame))
 
 
 @contextlib.contextmanager
@@ -188,7 +207,9 @@ def recompute_handle(handle: RecomputeHandle, session_id) -> bool:
         ``True`` when a recompute ran.
 
     Raises:
-        TypeError: for a handle of another kind or an unhashable session id.
+        ArgumentKindError: (a TypeError and a ValueError) for a handle of another kind or
+            an unhashable session id.
+        ValueError: for ``session_id=None``.
         torch.utils.checkpoint.CheckpointError: when the recompute saves different
             tensors than the forward did (as in backward).
 
@@ -197,8 +218,9 @@ def recompute_handle(handle: RecomputeHandle, session_id) -> bool:
     """
     _require_torch_support()
     if not isinstance(handle, RecomputeHandle):
-        raise TypeError("hyper_parallel: recompute_handle expects a handle collected by "
-                        f"recompute_handle_collector_ctx(); got {type(handle).__name__}")
+        raise ArgumentKindError("hyper_parallel: recompute_handle's handle must be produced by "
+                                "recompute_handle_collector_ctx() (a RecomputeHandle); got "
+                                f"{type(handle).__name__}")
     session = _session(session_id)
     frame = handle._frame()
     if frame is None or frame.is_recomputed.get(session, False):
@@ -229,21 +251,24 @@ def recompute_session_ctx(session_id, retain_on_unpack: bool = False):
         retain_on_unpack: keep each recomputed tensor after a backward read it, so a later
             backward of the same session (the weight-gradient pass after the
             input-gradient pass, with ``retain_graph=True`` in between) reads it again.
-            Applies to regions collected by :func:`recompute_handle_collector_ctx`. With
-            ``False`` (default) a tensor is freed once read, and two backward calls of
-            one session must not read the same saved tensor (torch raises).
+            Applies to regions collected by :func:`recompute_handle_collector_ctx` and
+            to regions whose forward ran inside a ``recompute_session_ctx`` (of any id).
+            With ``False`` (default) a tensor is freed once read, and two backward calls
+            of one session must not read the same saved tensor (torch raises).
 
     Raises:
         RuntimeError: when a session context is already active on this thread (sessions
             do not nest: torch's GraphExecGroup).
-        TypeError: for an unhashable id or a non-bool ``retain_on_unpack``.
+        ArgumentKindError: (a TypeError and a ValueError) for an unhashable id or a
+            non-bool ``retain_on_unpack``.
+        ValueError: for ``session_id=None``.
 
     Call :func:`clear_recompute_session` when the session's backward is done.
     """
     _require_torch_support()
     if not isinstance(retain_on_unpack, bool):
-        raise TypeError("hyper_parallel: retain_on_unpack must be a bool; got "
-                        f"{retain_on_unpack!r}")
+        raise ArgumentKindError("hyper_parallel: retain_on_unpack must be bool (True or "
+                                f"False); got {retain_on_unpack!r}")
     session = _session(session_id)
     active = torch._C._get_graph_exec_group()
     if active is not None:

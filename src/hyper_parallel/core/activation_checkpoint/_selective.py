@@ -38,6 +38,7 @@ from hyper_parallel._extension import _C
 
 from . import _memory
 from ._collectives import FUNCTIONAL_NAMESPACES, Collectives, is_collective
+from ._errors import ArgumentKindError
 from ._external import ExternalTensors
 from ._ignored_ops import is_sac_ignored
 from ._policy import CheckpointPolicy, to_policy
@@ -53,8 +54,10 @@ _IGNORED_OPS = {torch.ops.aten.detach.default, torch.ops.prim.device.default}
 _IGNORED_OPS |= set(getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", ()))
 
 
-class SelectiveCheckpointContext:
-    """What a checkpoint ``policy_fn`` receives as ``ctx`` (as in torch.utils.checkpoint).
+class SelectiveCheckpointContext(torch.utils.checkpoint.SelectiveCheckpointContext):
+    """What a checkpoint ``policy_fn`` receives as ``ctx``: a subclass of torch's
+    ``torch.utils.checkpoint.SelectiveCheckpointContext``, so a policy written for torch
+    (``isinstance`` checks included) runs unchanged.
 
     Attributes:
         is_recompute (bool): ``False`` in the region's forward, ``True`` while backward
@@ -68,6 +71,7 @@ class SelectiveCheckpointContext:
     __slots__ = ("is_recompute", "op_output")
 
     def __init__(self, is_recompute: bool, op_output=None) -> None:
+        # torch's __init__ takes keywords only (op_output since torch 2.10): set directly.
         self.is_recompute = is_recompute
         self.op_output = op_output
 
@@ -512,10 +516,11 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
 
 
 def check_bool(name: str, value) -> None:
-    """Raises TypeError unless ``value`` is a bool (``1`` and ``None`` are not)."""
+    """Raises :class:`ArgumentKindError` (a TypeError and a ValueError) unless ``value``
+    is a bool (``1`` and ``None`` are not)."""
     if value is not True and value is not False:
-        raise TypeError(f"hyper_parallel: checkpoint option {name} must be True or False; got "
-                        f"{value!r} ({type(value).__name__}).")
+        raise ArgumentKindError(f"hyper_parallel: checkpoint option {name} must be bool "
+                                f"(True or False); got {value!r} ({type(value).__name__}).")
 
 
 def _policy_from_entries(entries, default) -> SelectivePolicy:

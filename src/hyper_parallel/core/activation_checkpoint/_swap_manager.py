@@ -419,7 +419,7 @@ class SwapManager:
 
     def wait_offload(self, group: str) -> None:
         """Blocks until the D2H copies of ``group`` are complete (SwapGroupError for an
-        unknown name)."""
+        unknown name, or for a live group whose offload was never launched)."""
         _by_name(_C.wait_offload, group)
 
     def launch_load(self, group: str, copy_stream=None) -> None:
@@ -430,7 +430,8 @@ class SwapManager:
 
     def wait_load(self, group: str) -> None:
         """Orders the compute stream after ``group``'s H2D copies (SwapGroupError for an
-        unknown name)."""
+        unknown name, or for a live group whose load was never launched and whose backward
+        has not begun)."""
         _by_name(_C.wait_load, group)
 
     def ensure_group(self, name: str):
@@ -524,7 +525,9 @@ class SwapManager:
 
 
 class SwapGroupError(RuntimeError, ValueError):
-    """No swap group has this name (``launch_offload``, ``wait_load``, ...)."""
+    """No swap group has this name (``launch_offload``, ``wait_load``, ...), or a wait
+    comes before its launch (``wait_offload`` before ``launch_offload``, ``wait_load``
+    before ``launch_load``)."""
 
 
 def _raise_unknown(name: str):
@@ -538,7 +541,7 @@ def _by_name(fn, name) -> None:
     try:
         fn(str(name))
     except ValueError as err:
-        if "no live swap group" in str(err):
+        if "no live swap group" in str(err) or "') before launch_" in str(err):
             raise SwapGroupError(str(err)) from None
         raise
 

@@ -43,6 +43,9 @@ def _strip(name: str) -> str:
 
 _tls = threading.local()
 _warned_nesting: set = set()
+# Live module wrappers (exclusion regions aside): wrapping a module that sits inside one
+# of them warns at wrap time, as wrapping a module that holds wrappers does.
+_live_wrappers: weakref.WeakSet = weakref.WeakSet()
 
 
 def _describe(wrapper) -> str:
@@ -101,6 +104,13 @@ class ActivationWrapper(nn.Module):
             for sub in module.modules():
                 if isinstance(sub, ActivationWrapper) and not sub._hp_nests:
                     _warn_nested(self, sub)  # wrapping a module that holds wrappers
+            for outer in list(_live_wrappers):
+                root = outer.__dict__["_modules"].get(_PREFIX)
+                # Strictly inside: a second wrapper of the same module is not nesting.
+                if root is not None and root is not module and any(
+                        m is module for m in root.modules()):
+                    _warn_nested(outer, self)  # wrapping a module inside a wrapper
+            _live_wrappers.add(self)
 
     @property
     def policy_fn(self):
@@ -134,6 +144,7 @@ class ActivationWrapper(nn.Module):
 
     def _hp_release(self) -> None:
         """Lets the wrapped module be wrapped again (this wrapper is being discarded)."""
+        _live_wrappers.discard(self)
         module = self._checkpoint_wrapped_module
         ref = _swap_wrapper_of.get(module)
         if ref is not None and ref() is self:

@@ -165,10 +165,42 @@ def test_recompute_that_calls_it_more_often_raises():
 
 
 def test_bad_arguments():
-    with pytest.raises(TypeError, match="save_output must be a bool"):
-        checkpoint_exclude_wrapper(nn.Linear(2, 2), save_output=1)
-    with pytest.raises(TypeError, match="expects an nn.Module or a callable"):
-        checkpoint_exclude_wrapper(3)
+    for err in (TypeError, ValueError):  # both: Python's convention and the reference's
+        with pytest.raises(err, match="save_output must be a bool"):
+            checkpoint_exclude_wrapper(nn.Linear(2, 2), save_output=1)
+        with pytest.raises(err, match="module must be an nn.Module or a callable"):
+            checkpoint_exclude_wrapper(3)
+
+
+def test_inside_a_reentrant_checkpoint_it_refuses_instead_of_running_twice():
+    # torch's reentrant frame replays the whole body in backward: the part would run a
+    # second time (a collective twice, a router counting twice). It raises before running.
+    block = Block()
+    wrapped = checkpoint_wrapper(block, use_reentrant=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(CheckpointError, match="inside a use_reentrant=True checkpoint"):
+        wrapped(x)
+    assert block.router.calls == 0 and int(block.router.tokens) == 0
+
+
+def test_inside_a_non_reentrant_region_within_a_reentrant_one_it_refuses_too():
+    # The reentrant forward runs its body without grad (the inner region is a plain call
+    # there) and replays it in backward: the part would run twice whatever region is
+    # innermost.
+    block = Block()
+    with pytest.warns(UserWarning, match="is nested inside"):
+        outer = checkpoint_wrapper(nn.Sequential(nn.Identity(), checkpoint_wrapper(block)),
+                                   use_reentrant=True)
+    with pytest.raises(CheckpointError, match="inside a use_reentrant=True checkpoint"):
+        outer(torch.randn(4, 8, requires_grad=True))
+    assert block.router.calls == 0
+    # Without the reentrant frame around it, the same block runs the part once.
+    x = torch.randn(4, 8)
+    got = _grads(checkpoint_wrapper(nn.Sequential(nn.Identity(), block)), x)
+    plain = Block(exclude=False)
+    plain.load_state_dict(block.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(got, _grads(plain, x)))
+    assert block.router.calls == 1
 
 
 def test_deepcopy_keeps_working():

@@ -193,6 +193,18 @@ def test_policy_sees_op_names_and_is_recompute():
     assert "aten.addmm.default" in [c[1] for c in seen]
 
 
+def test_policy_context_is_an_instance_of_torchs_context():
+    # A policy written for torch may check isinstance(ctx, SelectiveCheckpointContext).
+    seen = []
+
+    def policy(ctx, op, *args, **kwargs):
+        seen.append(isinstance(ctx, torch.utils.checkpoint.SelectiveCheckpointContext))
+        return op is torch.ops.aten.addmm.default
+
+    forward_once(policy).sum().backward()
+    assert len(seen) > 4 and all(seen)  # forward and recompute
+
+
 def test_policy_receives_torchs_own_op_overload():
     ops = []
 

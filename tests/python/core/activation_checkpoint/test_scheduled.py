@@ -96,6 +96,39 @@ def test_session_without_prefire_recomputes_once_for_both_passes():
     assert torch.equal(dx, ex) and torch.equal(dw, ew)
 
 
+def test_forward_inside_a_session_retains_for_dx_then_dw_without_prefire():
+    # A schedule that runs the forward inside the session (no collector, no prefire): the
+    # first backward of the session recomputes, the second reads what it kept.
+    calls = []
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    ex, ew = _reference(x, w)
+    with recompute_session_ctx("mb", retain_on_unpack=True):
+        out = checkpoint(_block(calls), x, w)
+    with recompute_session_ctx("mb", retain_on_unpack=True):
+        dx = torch.autograd.grad(out.sum(), x, retain_graph=True)[0]
+    assert calls == [False, True]
+    with recompute_session_ctx("mb", retain_on_unpack=False):
+        dw = torch.autograd.grad(out.sum(), w)[0]
+    clear_recompute_session("mb")
+    assert calls == [False, True]
+    assert torch.equal(dx, ex) and torch.equal(dw, ew)
+    assert _scheduled.session_count() == 0
+
+
+def test_handle_recompute_method_is_recompute_handle():
+    calls = []
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    ex, ew = _reference(x, w)
+    with recompute_handle_collector_ctx() as handles:
+        out = checkpoint(_block(calls), x, w)
+    assert handles[0].recompute("h") is True and handles[0].recompute("h") is False
+    with recompute_session_ctx("h", retain_on_unpack=True):
+        dx, dw = torch.autograd.grad(out.sum(), (x, w))
+    clear_recompute_session("h")
+    assert calls == [False, True]
+    assert torch.equal(dx, ex) and torch.equal(dw, ew)
+
+
 def test_repeated_steps_do_not_share_sessions():
     calls = []
     w = torch.randn(4, 4, requires_grad=True)
@@ -151,13 +184,21 @@ def test_dead_handle_is_a_noop_and_bad_arguments_are_clear():
     assert not handles[0].alive
     assert recompute_handle(handles[0], "gone") is False
     clear_recompute_session("gone")
-    with pytest.raises(TypeError, match="hyper_parallel: recompute_handle expects"):
-        recompute_handle(object(), "s")
-    with pytest.raises(TypeError, match="hashable"):
-        recompute_handle(handles[0], ["list"])
-    with pytest.raises(TypeError, match="retain_on_unpack must be a bool"):
-        with recompute_session_ctx("s", retain_on_unpack=1):
-            pass
+    # Wrong kinds raise an error that is a TypeError and a ValueError (the reference's type).
+    for err in (TypeError, ValueError):
+        with pytest.raises(err, match="hyper_parallel: recompute_handle's handle must be "
+                                      "produced by recompute_handle_collector_ctx"):
+            recompute_handle(object(), "s")
+        with pytest.raises(err, match="session_id must be hashable"):
+            recompute_handle(handles[0], ["list"])
+        with pytest.raises(err, match="retain_on_unpack must be bool"):
+            with recompute_session_ctx("s", retain_on_unpack=1):
+                pass
+    for call in (lambda: recompute_handle(handles[0], None),
+                 lambda: recompute_session_ctx(None).__enter__()):
+        with pytest.raises(ValueError, match="session_id must not be None"):
+            call()
+    assert _scheduled.session_count() == 0  # nothing was created by the refused calls
     with recompute_session_ctx("a"):
         with pytest.raises(RuntimeError, match="sessions do not nest"):
             with recompute_session_ctx("b"):

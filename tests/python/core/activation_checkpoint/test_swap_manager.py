@@ -117,3 +117,24 @@ def test_copy_stream_is_accepted_and_checked(cpu_swap, dev):
         m.launch_load("streamed", copy_stream="side")
     y.backward()
     _check_grad(x)
+
+
+def test_a_wait_before_its_launch_raises_and_moves_nothing(cpu_swap, dev):
+    # A manual schedule that waits for copies it never started has a bug: the wait would
+    # return with the data still on device (or still on host).
+    m = SwapManager()
+    x, y, group = _manual("early", dev)
+    for wait, launch in ((m.wait_offload, "launch_offload"), (m.wait_load, "launch_load")):
+        with pytest.raises(SwapGroupError, match=rf"before {launch}: .* call {launch}\('early'\)"):
+            wait("early")
+    assert group.residencies == ["device"] and group.storage_nbytes == [256 * 4]
+    m.launch_offload("early")
+    with pytest.raises(RuntimeError, match="before launch_load"):  # offloaded, not reloading
+        m.wait_load("early")
+    m.wait_offload("early")
+    assert group.residencies == ["host"] and group.storage_nbytes == [0]
+    m.launch_load("early")
+    m.wait_load("early")
+    assert group.residencies == ["device"] and group.storage_nbytes == [256 * 4]
+    y.backward()
+    _check_grad(x)

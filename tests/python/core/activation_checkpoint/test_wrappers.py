@@ -107,10 +107,12 @@ def test_nested_wrappers_warn_naming_both_and_stay_correct():
     ref = Layer()
     ref.load_state_dict(layer.state_dict())
     outer = checkpoint_wrapper(layer)
-    layer.mlp = swap_wrapper(layer.mlp)  # wrapped inside an already wrapped layer
-    x = torch.randn(2, 4)
     with pytest.warns(UserWarning, match=r"swap_wrapper\(Sequential\) is nested inside "
                                          r"checkpoint_wrapper\(Layer\)"):
+        layer.mlp = swap_wrapper(layer.mlp)  # wrapped inside an already wrapped layer
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the pair was named once, at wrapping time
         outer(x).sum().backward()
     ref(x).sum().backward()
     for a, b in zip(ref.parameters(), layer.parameters()):
@@ -130,3 +132,53 @@ def test_exclusion_inside_a_checkpoint_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         wrapped(torch.randn(2, 4)).sum().backward()
+
+
+def _blocks(n=3):
+    return Model(n)
+
+
+@pytest.mark.parametrize("order", ["leaf_then_parent", "parent_then_leaf", "block_then_parent",
+                                   "parent_then_block", "leaf_then_block", "block_then_leaf"])
+def test_nesting_warns_at_wrapping_time_in_either_order(order):
+    # Each way of putting one wrapper's region inside another's is named when the second
+    # wrapper is made, before any forward (the reference's six overlap cases).
+    model = _blocks()
+    block, leaf = model.layers[1], model.layers[1].mlp
+    with pytest.warns(UserWarning, match=r"is nested inside"):
+        if order == "leaf_then_parent":
+            block.mlp = checkpoint_wrapper(leaf)
+            checkpoint_wrapper(model)
+        elif order == "parent_then_leaf":
+            outer = checkpoint_wrapper(model)
+            checkpoint_wrapper(outer.layers[1].mlp)
+        elif order == "block_then_parent":
+            model.layers[1] = checkpoint_wrapper(block)
+            checkpoint_wrapper(model)
+        elif order == "parent_then_block":
+            outer = checkpoint_wrapper(model)
+            checkpoint_wrapper(outer.layers[1])
+        elif order == "leaf_then_block":
+            block.mlp = checkpoint_wrapper(leaf)
+            checkpoint_wrapper(block)
+        else:
+            outer = checkpoint_wrapper(block)
+            swap_wrapper(outer.mlp)
+
+
+def test_disjoint_wrappers_and_rewrapping_one_module_do_not_warn():
+    model = _blocks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.layers[0] = checkpoint_wrapper(model.layers[0])
+        model.layers[1] = swap_wrapper(model.layers[1])
+        model.layers[2].mlp = checkpoint_wrapper(model.layers[2].mlp)
+        model.layers[2].q_proj = swap_wrapper(model.layers[2].q_proj)
+        # Two checkpoint wrappers of one module are two independent regions, not nesting
+        # (benchmarks compare policies on shared weights this way).
+        leaf = nn.Linear(4, 4)
+        first, second = checkpoint_wrapper(leaf), checkpoint_wrapper(leaf)
+        x = torch.randn(2, 4, requires_grad=True)
+        assert torch.equal(first(x), second(x))
+        checkpoint_wrapper(torch.mul)
+        swap_wrapper(torch.mul)
