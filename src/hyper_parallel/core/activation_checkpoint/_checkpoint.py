@@ -23,7 +23,7 @@ from torch import nn
 
 from hyper_parallel._extension import _C
 
-from . import _compile
+from . import _compile, _diagnostics
 from ._backends import backend_for, wrapper_dispatch
 from ._host_pool import native_pool
 from ._recompute_state import reentrant_call
@@ -107,6 +107,28 @@ def _refuse_reentrant(conflicts) -> None:
             "per-op policies, swap, recompute contexts and exclusion regions need the "
             "non-reentrant frame. Pass use_reentrant=False (or omit it), or drop those "
             "options.")
+
+
+def _holds_exclusions(function) -> bool:
+    """Whether the module a region runs holds ``checkpoint_exclude_wrapper`` modules (a
+    walk of its module tree; plain functions are not looked into)."""
+    target = function.fn if isinstance(function, LayerCall) else function
+    if not isinstance(target, nn.Module):
+        return False
+    from ._exclude import CheckpointExcludeWrapper
+
+    return any(isinstance(m, CheckpointExcludeWrapper) for m in target.modules())
+
+
+def _warn_reentrant_fallback(function) -> None:
+    target = function.fn if isinstance(function, LayerCall) else function
+    name = type(target).__name__
+    _diagnostics._warn_once(
+        f"reentrant-exclusions:{name}",
+        f"hyper_parallel: {name} holds checkpoint_exclude_wrapper regions, which torch's "
+        "reentrant checkpoint would run twice (its backward replays the whole body); it is "
+        "checkpointed with use_reentrant=False instead (same gradients, the exclusions run "
+        "once). Pass use_reentrant=False to make this explicit and silence this warning.")
 
 
 def _debug_forced() -> bool:
@@ -325,6 +347,13 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         _refuse_reentrant([name for name, used in (
             ("swap_inputs", swap_inputs), ("group_swap", group_swap), ("cpu_pool", pool),
             ("allow_cache_entry_mutation", allow_cache_entry_mutation)) if used])
+    if use_reentrant and _holds_exclusions(function):
+        # torch's reentrant frame would run the exclusions twice (its backward replays the
+        # whole body); ours runs them once with the same gradients.
+        _warn_reentrant_fallback(function)
+        use_reentrant = False
+        ckpt_kwargs = _torch_options(False, preserve_rng_state, determinism_check, debug,
+                                     early_stop, policy is not None or context_fn is not None)
     if not torch.is_grad_enabled():
         # Inference: nothing is saved for backward (torch's frame does the same).
         return function(*args, **kwargs)

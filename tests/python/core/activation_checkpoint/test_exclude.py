@@ -172,35 +172,38 @@ def test_bad_arguments():
             checkpoint_exclude_wrapper(3)
 
 
-def test_inside_a_reentrant_checkpoint_it_refuses_instead_of_running_twice():
-    # torch's reentrant frame replays the whole body in backward: the part would run a
-    # second time (a collective twice, a router counting twice). It raises before running.
+def test_reentrant_request_on_a_module_with_exclusions_runs_them_once():
+    # torch's reentrant frame replays the whole body in backward: the router would run
+    # twice. A module holding exclusions is checkpointed by our frame instead (warned).
+    torch.manual_seed(0)
     block = Block()
-    wrapped = checkpoint_wrapper(block, use_reentrant=True)
-    x = torch.randn(4, 8, requires_grad=True)
-    with pytest.raises(CheckpointError, match="inside a use_reentrant=True checkpoint"):
-        wrapped(x)
-    assert block.router.calls == 0 and int(block.router.tokens) == 0
-
-
-def test_inside_a_non_reentrant_region_within_a_reentrant_one_it_refuses_too():
-    # The reentrant forward runs its body without grad (the inner region is a plain call
-    # there) and replays it in backward: the part would run twice whatever region is
-    # innermost.
-    block = Block()
-    with pytest.warns(UserWarning, match="is nested inside"):
-        outer = checkpoint_wrapper(nn.Sequential(nn.Identity(), checkpoint_wrapper(block)),
-                                   use_reentrant=True)
-    with pytest.raises(CheckpointError, match="inside a use_reentrant=True checkpoint"):
-        outer(torch.randn(4, 8, requires_grad=True))
-    assert block.router.calls == 0
-    # Without the reentrant frame around it, the same block runs the part once.
-    x = torch.randn(4, 8)
-    got = _grads(checkpoint_wrapper(nn.Sequential(nn.Identity(), block)), x)
     plain = Block(exclude=False)
     plain.load_state_dict(block.state_dict())
-    assert all(torch.equal(a, b) for a, b in zip(got, _grads(plain, x)))
-    assert block.router.calls == 1
+    x = torch.randn(4, 8)
+    for wrapped in (checkpoint_wrapper(block, use_reentrant=True),
+                    checkpoint_wrapper(nn.Sequential(nn.Identity(), block),
+                                       use_reentrant=True)):
+        block.router.calls = 0
+        with pytest.warns(UserWarning, match="checkpointed with use_reentrant=False instead"):
+            got = _grads(wrapped, x)
+        assert all(torch.equal(a, b) for a, b in zip(got, _grads(plain, x)))
+        assert block.router.calls == 1
+
+
+def test_exclusion_a_reentrant_body_hides_refuses_instead_of_running_twice():
+    # A plain function body cannot be looked into before it runs: the exclusion inside
+    # raises before running (a collective must not run twice).
+    calls = []
+
+    def part(t):
+        calls.append(1)
+        return t * 2
+
+    excluded = checkpoint_exclude_wrapper(part)
+    with pytest.raises(CheckpointError, match="inside a use_reentrant=True checkpoint"):
+        checkpoint(lambda t: excluded(t.sin()).cos(), torch.randn(3, requires_grad=True),
+                   use_reentrant=True)
+    assert calls == []
 
 
 def test_deepcopy_keeps_working():
