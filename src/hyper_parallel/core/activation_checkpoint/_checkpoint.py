@@ -251,8 +251,11 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
             ``swap_inputs``, ``group_swap``, ``allow_cache_entry_mutation``, ``debug``,
             ``early_stop=False``, ``determinism_check``; ``ValueError`` otherwise). A
             reentrant region is no swap layer, keeps no external state or collectives
-            from its forward (torch's semantics), and does not see
-            ``checkpoint_exclude_wrapper`` or scheduled recompute. Prefer
+            from its forward (torch's semantics), and is not seen by scheduled
+            recompute. A module that holds ``checkpoint_exclude_wrapper`` regions runs
+            the non-reentrant region instead (torch's reentrant backward would run them
+            twice; a warning says so once); an exclusion reached inside a reentrant
+            plain-function body raises ``CheckpointError`` before it runs. Prefer
             ``use_reentrant=False``: torch recommends it too.
         preserve_rng_state, determinism_check, debug, early_stop: torch.utils.checkpoint's
             own options, passed to its frame: ``preserve_rng_state=False`` does not replay
