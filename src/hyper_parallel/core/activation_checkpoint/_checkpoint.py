@@ -26,7 +26,7 @@ from hyper_parallel._extension import _C
 from . import _compile, _diagnostics
 from ._backends import backend_for, wrapper_dispatch
 from ._host_pool import native_pool
-from ._recompute_state import reentrant_call
+from ._recompute_state import debug_call, reentrant_call
 from ._region import REGISTERED_ONLY, SWAP_ALL, Region
 from ._selective import check_bool, compile_policy, region_context_fn, state_context_fn
 from ._swap import LayerCall, in_backward, resolve_layer
@@ -325,6 +325,8 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
                 "the checkpoint instead.")
         _torch_options(use_reentrant, preserve_rng_state, determinism_check, debug,
                        early_stop, policy_fn is not None or context_fn is not None)
+        if _holds_exclusions(function):
+            _compile.warn_exclusions_not_compiled()
         return _compile.checkpoint(
             function, args, kwargs, policy_fn, context_fn, swap_inputs, group_swap,
             preserve_rng_state, determinism_check)
@@ -367,7 +369,8 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         return torch_checkpoint.checkpoint(reentrant_call(call), *call_args, **ckpt_kwargs)
     key = _mode_key(function) if policy is None else None
     training = _training(key) if key is not None else None
-    if debug or _debug_forced():
+    debug_region = debug or _debug_forced()
+    if debug_region:
         pass  # torch's debug mode brings its own context_fn: a debug region runs without ours
     elif key is not None and _PLAIN_TARGETS.get(key, _NEEDS_MODES) is training:
         # A full-recompute region whose forward wrote no outside state and ran no
@@ -381,6 +384,8 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
                                                       allow_cache_entry_mutation,
                                                       _describer(function), report)
     call, call_args = _with_bound_kwargs(function, args, kwargs)
+    if debug_region:
+        call = debug_call(call)  # exclusion regions inside warn that they run again
     if in_backward():
         # A region nested in an enclosing region that backward is recomputing: it must be
         # a checkpoint again, so that the enclosing frame sees the same saved tensors as
@@ -477,6 +482,8 @@ class CheckpointWrapper(ActivationWrapper):
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
         if _compile.is_compiling():
+            if _holds_exclusions(inner):
+                _compile.warn_exclusions_not_compiled()
             return _compile.checkpoint(inner, args, kwargs, **self._hp_compile_kwargs)
         if in_backward():
             return checkpoint(LayerCall(self, inner, inner), *args,

@@ -206,6 +206,21 @@ def warn_registration_not_compiled() -> None:
 torch._dynamo.config.reorderable_logging_functions.add(warn_registration_not_compiled)
 
 
+def warn_exclusions_not_compiled() -> None:
+    """Reports (once) that a checkpoint region traced by dynamo holds
+    ``checkpoint_exclude_wrapper`` modules, which torch's compiled checkpoint recomputes.
+    Reorderable like :func:`warn_registration_not_compiled` (no graph break)."""
+    warn_once("checkpoint_exclude_wrapper", (
+        "a checkpoint region traced by torch.compile (torch.compile(checkpoint_wrapper("
+        "block))) holds checkpoint_exclude_wrapper regions: torch's compiled checkpoint "
+        "has no exclusion regions, so their part runs again in recompute. Compile the "
+        "block inside the wrapper instead (checkpoint_wrapper(torch.compile(block))) to "
+        "run it once."))
+
+
+torch._dynamo.config.reorderable_logging_functions.add(warn_exclusions_not_compiled)
+
+
 # --------------------------------------------------------------------------- swap regions
 @torch.compiler.disable
 def swap_region_enter(wrapper, inner, policy_fn, group_swap):

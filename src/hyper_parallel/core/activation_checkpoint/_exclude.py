@@ -26,7 +26,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ._errors import ArgumentKindError
-from ._recompute_state import get_recompute_state, in_reentrant_region
+from ._diagnostics import _warn_once
+from ._recompute_state import enclosing_states, in_debug_region, in_reentrant_region
 from ._wrappers import ActivationWrapper
 
 
@@ -35,15 +36,27 @@ def _keep(t):
 
 
 class _Kept:
-    """What one call of an exclusion region returned in forward."""
+    """What one call of an exclusion region returned in forward (tensors with their
+    version counter at that moment)."""
 
     __slots__ = ("value",)
 
     def __init__(self, out, save_output: bool) -> None:
-        self.value = out if save_output else tree_map(_shape_of, out)
+        self.value = tree_map(_versioned if save_output else _shape_of, out)
 
     def replay(self):
         return tree_map(_for_recompute, self.value)
+
+
+class _Versioned:
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor, self.version = t, t._version
+
+
+def _versioned(x):
+    return _Versioned(x) if isinstance(x, torch.Tensor) else x
 
 
 class _Shape:
@@ -59,8 +72,15 @@ def _shape_of(x):
 
 
 def _for_recompute(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().requires_grad_(x.requires_grad)
+    if isinstance(x, _Versioned):
+        t = x.tensor
+        out = t.detach().requires_grad_(t.requires_grad)
+        if t.requires_grad and t._version != x.version:
+            # The forward modified the output in place after the exclusion returned, so the
+            # recompute will too: hand it a non-leaf (autograd refuses in-place ops on a
+            # leaf that requires grad). One transient copy, during this recompute only.
+            out = out.clone()
+        return out
     if isinstance(x, _Shape):
         one = torch.empty((), dtype=x.dtype, device=x.device).requires_grad_(x.requires_grad)
         return one.expand(x.shape)
@@ -76,19 +96,37 @@ def run_excluded(key, fn, save_output: bool, what: str, args, kwargs):
             "use_reentrant=True checkpoint, whose backward replays the whole body and would "
             "run it a second time. Use use_reentrant=False (the default) for regions that "
             "hold exclusions, and around them.")
-    state = get_recompute_state()
-    if state is None:
+    states = enclosing_states()
+    if not states:
+        if in_debug_region():
+            _warn_once(f"debug-exclusions:{what}", (
+                f"hyper_parallel: checkpoint_exclude_wrapper({what}) runs inside a "
+                "checkpoint with debug=True (torch's debug mode, which brings its own "
+                "contexts), so its recompute runs the part again. Debug without the "
+                "exclusion, or turn debug off to keep the part to one run."))
         return fn(*args, **kwargs)  # outside any checkpoint region: nothing to exclude
-    if state.is_recomputing:
-        return state.next_exclusion(key, what).replay()
-    state.excluding += 1
-    try:
-        # Shadows the checkpoint frame's hook: the part's own backward keeps its tensors.
-        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-            out = fn(*args, **kwargs)
-    finally:
-        state.excluding -= 1
-    state.keep_exclusion(key, _Kept(out, save_output))
+    # Regions nest: the invocations in forward (innermost first) up to the innermost one
+    # being recomputed. A region nested in a recomputed one runs its forward again, and
+    # the part must still not run: it gets the recomputed region's kept output, which the
+    # nested invocations keep in turn for their own recompute.
+    forward = []
+    for state in states:
+        if state.is_recomputing:
+            out = state.next_exclusion(key, what).replay()
+            break
+        forward.append(state)
+    else:
+        for state in forward:
+            state.excluding += 1
+        try:
+            # Shadows the checkpoint frame's hook: the part's own backward keeps its tensors.
+            with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+                out = fn(*args, **kwargs)
+        finally:
+            for state in forward:
+                state.excluding -= 1
+    for state in forward:
+        state.keep_exclusion(key, _Kept(out, save_output))
     return out
 
 
@@ -119,7 +157,12 @@ def checkpoint_exclude_wrapper(module, *, save_output=True):
     For parts of a checkpointed layer that must not run twice: collectives, MoE routers
     (token counts, load-balancing statistics), adapters with state. Outside any
     checkpoint region (and inside torch's own checkpoint without our contexts) the
-    wrapper is a plain call.
+    wrapper is a plain call. In nested regions the part still runs once per step (a region
+    nested in a recomputed one gets the kept output too). Where torch's frame runs without
+    our contexts, the part runs again in recompute, with a warning: a region traced by
+    ``torch.compile(checkpoint_wrapper(block))`` (compile the block inside the wrapper
+    instead) and ``debug=True``. If the region modifies the kept output in place, the
+    recompute gets a transient copy to modify again.
 
     Its saved tensors are kept as without checkpoint (they are not swapped by the
     enclosing region; wrap the part with ``swap_wrapper`` inside to swap them), and its

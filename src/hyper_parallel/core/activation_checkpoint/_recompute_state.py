@@ -173,6 +173,26 @@ def reentrant_call(function):
     return run
 
 
+def debug_call(function):
+    """``function`` marked, while it runs, as the body of a checkpoint in torch's debug
+    mode (torch's frame with its own contexts: no recompute state of ours), so that an
+    exclusion region inside can say that it will run again in recompute."""
+
+    def run(*args):
+        _tls.debug = _tls.__dict__.get("debug", 0) + 1
+        try:
+            return function(*args)
+        finally:
+            _tls.debug -= 1
+
+    return run
+
+
+def in_debug_region() -> bool:
+    """Whether this thread runs the forward or recompute of a debug-mode checkpoint."""
+    return _tls.__dict__.get("debug", 0) > 0
+
+
 def in_reentrant_region() -> bool:
     """Whether this thread runs the body of a ``use_reentrant=True`` checkpoint (at any
     depth: regions of ours nested in it run once without grad in its forward and again
@@ -186,6 +206,12 @@ def get_recompute_state() -> RecomputeState | None:
     contexts)."""
     stack = _tls.__dict__.get("stack")
     return stack[-1] if stack else None
+
+
+def enclosing_states() -> list:
+    """The checkpoint region invocations running on this thread, innermost first."""
+    stack = _tls.__dict__.get("stack")
+    return stack[::-1] if stack else []
 
 
 def is_recomputing() -> bool:

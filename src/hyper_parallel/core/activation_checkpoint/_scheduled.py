@@ -221,9 +221,12 @@ def recompute_handle(handle: RecomputeHandle, session_id) -> bool:
         raise ArgumentKindError("hyper_parallel: recompute_handle's handle must be produced by "
                                 "recompute_handle_collector_ctx() (a RecomputeHandle); got "
                                 f"{type(handle).__name__}")
-    session = _session(session_id)
     frame = handle._frame()
-    if frame is None or frame.is_recomputed.get(session, False):
+    if frame is None:
+        _session(session_id, create=False)  # the id is still checked
+        return False  # the region's graph is gone: no session is created for nothing
+    session = _session(session_id)
+    if frame.is_recomputed.get(session, False):
         return False
     _make_retainable(frame)
     args = frame.get_inputs()

@@ -473,9 +473,11 @@ class SwapManager:
         _C.forget_group(str(name))
 
     def active_group_count(self) -> int:
-        """How many named swap groups are alive (held by saved tensors that still need
-        them, or manual groups not yet offloaded); 0 after a finished step (a leak
-        check)."""
+        """How many named swap groups are alive: held by saved tensors that still need
+        them, or manual groups (``group_context``) that were neither offloaded nor
+        released, which the engine keeps by name for a later ``launch_offload`` even
+        once their graph is gone. 0 after a finished step whose manual groups were
+        offloaded or released with :meth:`release_group_storage` (a leak check)."""
         return int(_C.live_group_count())
 
     def is_last_group(self, name: str | None = None) -> bool:

@@ -138,8 +138,8 @@ def test_kept_bytes_with_and_without_save_output():
             checkpoint(lambda t: ex(t.sin()).cos(), x).sum().backward()
     finally:
         _exclude._Kept.__init__ = original
-    assert isinstance(kept[0], torch.Tensor) and kept[0].nbytes == 256 * 4
-    assert not isinstance(kept[1], torch.Tensor)  # only its shape is kept
+    assert isinstance(kept[0].tensor, torch.Tensor) and kept[0].tensor.nbytes == 256 * 4
+    assert not hasattr(kept[1], "tensor")  # only its shape is kept
 
 
 def test_outside_checkpoint_it_is_a_plain_call():
@@ -213,3 +213,94 @@ def test_deepcopy_keeps_working():
     for a, b in zip(_grads(checkpoint_wrapper(block), x), _grads(checkpoint_wrapper(twin), x)):
         assert torch.equal(a, b)
     assert twin.router._checkpoint_wrapped_module.calls == 1
+
+
+class Nest(nn.Module):
+    """A checkpointed block inside a checkpointed outer layer (regions nested)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.pre = nn.Linear(d, d)
+        self.inner = Block(d)
+
+    def forward(self, x):
+        return torch.sin(self.inner(torch.tanh(self.pre(x))))
+
+
+def test_nested_regions_run_the_part_once():
+    """A region nested in a recomputed region runs its forward again; the excluded part in
+    it must still not run (it gets the outer invocation's kept output), and the nested
+    region's own recompute gets it back too."""
+    torch.manual_seed(0)
+    plain = Nest()
+    model = copy.deepcopy(plain)
+    router = model.inner.router
+    plain.inner.router = router._checkpoint_wrapped_module.__class__(8)
+    plain.inner.router.load_state_dict(router._checkpoint_wrapped_module.state_dict())
+    x = torch.randn(5, 8)
+    want = _grads(plain, x)
+    model.inner = checkpoint_wrapper(model.inner)
+    with pytest.warns(UserWarning, match="hyper_parallel"):  # nesting is warned about
+        got = _grads(checkpoint_wrapper(model), x)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    inner = router._checkpoint_wrapped_module
+    assert inner.calls == 1 and int(inner.tokens) == 5
+
+
+def test_nested_function_regions_run_the_part_once():
+    log = []
+    ex = checkpoint_exclude_wrapper(lambda t: (log.append(is_recomputing()), t.softmax(-1))[1])
+    x = torch.randn(4, 8, requires_grad=True)
+    checkpoint(lambda t: checkpoint(lambda u: ex(u) * u, t).sin(), x).sum().backward()
+    got = x.grad
+    x.grad = None
+    (lambda t: (t.softmax(-1) * t).sin())(x).sum().backward()
+    assert log == [False] and torch.equal(got, x.grad)
+
+
+class InPlaceAfter(nn.Module):
+    """The region modifies the excluded part's output in place after it returns."""
+
+    def __init__(self, d=8, exclude=True):
+        super().__init__()
+        self.router = checkpoint_exclude_wrapper(nn.Linear(d, d)) if exclude else nn.Linear(d, d)
+        self.f = nn.Linear(d, d)
+
+    def forward(self, x):
+        r = self.router(x)
+        r.mul_(2)
+        return self.f(x) * r.sin()
+
+
+@pytest.mark.parametrize("router_grad", [True, False])
+def test_output_modified_in_place_after_the_part(router_grad):
+    torch.manual_seed(0)
+    plain = InPlaceAfter(exclude=False)
+    model = InPlaceAfter()
+    model.load_state_dict(plain.state_dict())  # wrapper names are clean
+    for m in (plain, model):
+        m.router.requires_grad_(router_grad)
+    x = torch.randn(4, 8)
+    want = _grads(plain, x)
+    got = _grads(checkpoint_wrapper(model), x)
+    for a, b in zip(got, want):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_exclusions_under_debug_mode_warn_that_they_run_again():
+    ex = checkpoint_exclude_wrapper(lambda t: t.softmax(-1))
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.warns(UserWarning, match="debug=True"):
+        checkpoint(lambda t: ex(t) * t, x, debug=True).sum().backward()
+
+
+def test_exclusions_in_a_compiled_checkpoint_region_warn_that_they_run_again():
+    from hyper_parallel.core.activation_checkpoint import _compile
+
+    _compile._warned.discard("checkpoint_exclude_wrapper")
+    torch._dynamo.reset()
+    block = torch.compile(checkpoint_wrapper(Block()), backend="aot_eager")
+    with pytest.warns(UserWarning, match="torch.compile"):
+        block(torch.randn(5, 8)).sum().backward()
