@@ -6,10 +6,15 @@ swap engine's CPU backend runs with a per-byte delay set so that one layer's off
 ``ratio`` x that layer's forward time (ratios 0.5, 1, 2); on an accelerator the link is
 the real one (one ratio, "real"). For each budget (20/40/60/80 % of "none"'s measured
 peak), the planner's plan is applied and measured (peak of saved-activation bytes with
-the library's meter over the whole step; median step time of ``--steps``) and compared
-with the best hand strategy that meets the budget, measured the same way: every uniform
-strategy, "mixed", and ``--random`` random per-layer assignments (seeded). Every measured
-plan is also predicted by the cost model (prediction error of peak and step time).
+the library's meter over the whole step) and compared with the best hand strategy that
+meets the budget, measured the same way: every uniform strategy, "mixed", and
+``--random`` random per-layer assignments (seeded). Timing: ``--rounds`` rounds, in each
+of which every plan (hand and planner) is applied in turn and runs one warm-up and
+``--steps`` timed steps; a plan's step time is the median of all its timed steps, so
+drift of a shared machine hits all plans alike. Every measured plan is also predicted by
+the cost model (prediction error of peak and step time). The load average is printed
+before and after each block. Then the solver alone: the profile's layers tiled to 10, 50,
+100 and 200 layers, solved at 40 % of the predicted "none" peak (milliseconds, labels).
 
 Targets (issue 11): planner's measured peak <= budget; its step time <= 1.05 x the best
 hand strategy within the budget; prediction errors <= 10 %.
@@ -18,7 +23,7 @@ Writes a table (stdout), ``--json`` (default out/bench_planner.json) and ``--png
 (default out/bench_planner.png: predicted vs measured step time; budget vs step time,
 planner line against hand-strategy points).
 
-Usage: PYTHONPATH=src python benchmarks/bench_planner.py [--layers 8] [--random 20]
+Usage: PYTHONPATH=src python benchmarks/bench_planner.py [--layers 8] [--random 20] [--quick]
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import machine_facts, mib, print_facts, set_threads, table  # noqa: E402
+from _common import load_average, machine_facts, mib, print_facts, set_threads, table  # noqa: E402
 
 from hyper_parallel.core.activation_checkpoint import (  # noqa: E402
     InfeasibleBudgetError,
@@ -43,7 +48,9 @@ from hyper_parallel.core.activation_checkpoint import (  # noqa: E402
     remove_activation_memory,
     saved_activation_memory,
 )
-from hyper_parallel.core.activation_checkpoint._planner import predict  # noqa: E402
+from hyper_parallel._extension import _C  # noqa: E402
+from hyper_parallel.core.activation_checkpoint._planner import _cpp_profile, predict  # noqa: E402
+from hyper_parallel.core.activation_checkpoint._profile import ActivationProfile  # noqa: E402
 from hyper_parallel.demo.model import build_config, build_model  # noqa: E402
 
 UNIFORM = ("none", "checkpoint", "selective", "swap", "selective_swap", "checkpoint_swap")
@@ -55,8 +62,9 @@ def _sync(device):
         torch.accelerator.synchronize(device)
 
 
-def measure(model, step, plan, device, steps: int) -> dict:
-    """Peak (meter over the whole step) and median step time of ``plan`` applied."""
+def measure_once(model, step, plan, device, steps: int) -> tuple[int, list[float]]:
+    """Peak (meter over the whole step) and the times of ``steps`` steps of ``plan``
+    applied (after one warm-up step, which also warms the host pool up)."""
     manager = SwapManager()
     apply_activation_memory(model, plan)
     try:
@@ -68,14 +76,53 @@ def measure(model, step, plan, device, steps: int) -> dict:
                 step()
             _sync(device)
             manager.synchronize()
-            if i > 0:  # the first step warms the host pool up
+            if i > 0:
                 times.append(time.perf_counter() - t0)
             peak = max(peak, meter.peak_bytes)
             for p in model.parameters():
                 p.grad = None
-        return {"peak_bytes": int(peak), "step_seconds": statistics.median(times)}
+        return int(peak), times
     finally:
         remove_activation_memory(model)
+
+
+def measure_all(model, step, plans: dict, device, steps: int, rounds: int) -> dict:
+    """Every plan measured in ``rounds`` interleaved rounds: peak (the largest) and the
+    median step time over all timed steps."""
+    peaks = {k: 0 for k in plans}
+    times = {k: [] for k in plans}
+    for _ in range(rounds):
+        for label, plan in plans.items():
+            peak, ts = measure_once(model, step, plan, device, steps)
+            peaks[label] = max(peaks[label], peak)
+            times[label] += ts
+    return {k: {"peak_bytes": peaks[k], "step_seconds": statistics.median(times[k])}
+            for k in plans}
+
+
+def solve_times(profile: ActivationProfile, sizes=(10, 50, 100, 200)) -> list[dict]:
+    """The solver alone on the profile's layers tiled to each size (40 % of the predicted
+    none peak, the engine's prefetch depth): milliseconds (best of 3) and labels kept."""
+    out = []
+    n0 = len(profile.layer_names)
+    for n in sizes:
+        tiled = ActivationProfile(
+            layer_names=[f"layers.{i}" for i in range(n)], strategies=profile.strategies,
+            costs={s: [c[i % n0] for i in range(n)] for s, c in profile.costs.items()},
+            base_bytes=profile.base_bytes, tail_bytes=profile.tail_bytes,
+            tail_seconds=profile.tail_seconds, outside_seconds=profile.outside_seconds,
+            d2h=profile.d2h, h2d=profile.h2d)
+        cpp = _cpp_profile(tiled, SwapManager().get_prefetch_depth())
+        none = predict(tiled, ["none"] * n)["peak_bytes"]
+        best, found = float("inf"), None
+        for _ in range(3):
+            t0 = time.perf_counter()
+            found = _C.Planner(cpp).solve(int(0.4 * none))
+            best = min(best, time.perf_counter() - t0)
+        stats = found[2] if found else {}
+        out.append({"layers": n, "options": len(profile.strategies), "ms": best * 1e3,
+                    "feasible": found is not None, **stats})
+    return out
 
 
 def run(args) -> dict:
@@ -117,26 +164,33 @@ def run(args) -> dict:
             print(f"\n== ratio {ratio}: CPU swap delay {delay:.3f} ns/byte")
         else:
             print("\n== real copy link")
+        load_before = load_average()
         t0 = time.perf_counter()
         profile = profile_activation_memory(model, step)
         profile_seconds = time.perf_counter() - t0
         none_peak = profile.none_peak_bytes
-        measured = {}
-        for label, plan in hand.items():
-            measured[label] = {**measure(model, step, plan, device, args.steps),
-                               **_pred(profile, plan, names)}
-        rows, points = [], []
+        plans, plan_ms = {}, {}
         for fraction in BUDGETS:
             budget = int(fraction * none_peak)
             t1 = time.perf_counter()
             try:
-                plan = profile.plan(budget)
+                plans[fraction] = profile.plan(budget)
             except InfeasibleBudgetError as err:
                 print(f"budget {fraction:.0%}: infeasible (smallest {mib(err.min_peak_bytes)})")
+            plan_ms[fraction] = (time.perf_counter() - t1) * 1e3
+        everything = {**hand, **{f"planner{f}": p for f, p in plans.items()}}
+        all_measured = measure_all(model, step, everything, device, args.steps, args.rounds)
+        measured = {label: {**all_measured[label], **_pred(profile, plan, names)}
+                    for label, plan in hand.items()}
+        load_after = load_average()
+        rows, points = [], []
+        for fraction in BUDGETS:
+            budget = int(fraction * none_peak)
+            if fraction not in plans:
                 rows.append([f"{fraction:.0%}", mib(budget), "infeasible", "", "", "", "", ""])
                 continue
-            plan_ms = (time.perf_counter() - t1) * 1e3
-            got = measure(model, step, plan, device, args.steps)
+            plan = plans[fraction]
+            got = all_measured[f"planner{fraction}"]
             fits = {k: v for k, v in measured.items() if v["peak_bytes"] <= budget}
             best = min(fits, key=lambda k: fits[k]["step_seconds"]) if fits else None
             ratio_best = got["step_seconds"] / fits[best]["step_seconds"] if best else None
@@ -146,7 +200,7 @@ def run(args) -> dict:
             for s in plan.strategies.values():
                 counts[s] = counts.get(s, 0) + 1
             points.append({"fraction": fraction, "budget_bytes": budget, "plan": plan.strategies,
-                           "counts": counts, "measured": got, "plan_ms": plan_ms,
+                           "counts": counts, "measured": got, "plan_ms": plan_ms[fraction],
                            "predicted_peak_bytes": plan.predicted_peak_bytes,
                            "predicted_step_seconds": plan.predicted_step_seconds,
                            "best_hand": best,
@@ -160,12 +214,13 @@ def run(args) -> dict:
                          f"{ratio_best:.3f}" if ratio_best else "-",
                          f"{err_peak:+.1%} / {err_time:+.1%}"])
             print(f"budget {fraction:.0%}: {', '.join(f'{n} {s}' for s, n in counts.items())}"
-                  f" (solved in {plan_ms:.1f} ms)")
+                  f" (solved in {plan_ms[fraction]:.1f} ms)")
         print(table(["budget", "MiB", "planner peak", "<= budget", "planner ms",
                      "best hand (ms)", "planner/best", "pred. err peak / time"], rows,
                     title=f"ratio {ratio}: none peak {mib(none_peak)} MiB, "
                           f"none {measured['none']['step_seconds'] * 1e3:.1f} ms; "
-                          f"profiled in {profile_seconds:.1f} s"))
+                          f"profiled in {profile_seconds:.1f} s; load average {load_before}"
+                          f" -> {load_after}"))
         errs_p = [abs(v["predicted_peak_bytes"] / max(1, v["peak_bytes"]) - 1)
                   for v in measured.values()]
         errs_t = [abs(v["predicted_step_seconds"] / v["step_seconds"] - 1)
@@ -173,9 +228,24 @@ def run(args) -> dict:
         print(f"hand plans ({len(measured)}): prediction error |peak| median "
               f"{statistics.median(errs_p):.1%} max {max(errs_p):.1%}; |step time| median "
               f"{statistics.median(errs_t):.1%} max {max(errs_t):.1%}")
+        # The noise floor: the same uniform plans, timed once while profiling and again
+        # here; a prediction cannot be closer than two measurements of one plan.
+        again = [abs(profile.measured[s]["step_seconds"] / measured[s]["step_seconds"] - 1)
+                 for s in profile.strategies if s in measured]
+        print(f"noise floor: the {len(again)} uniform plans timed while profiling vs here: "
+              f"|difference| median {statistics.median(again):.1%} max {max(again):.1%}")
         results["ratios"][str(ratio)] = {"profile_seconds": profile_seconds,
                                          "none_peak_bytes": none_peak, "hand": measured,
-                                         "planner": points}
+                                         "planner": points, "load_before": load_before,
+                                         "noise_floor": again,
+                                         "load_after": load_after}
+        last_profile = profile
+    sizes = solve_times(last_profile)
+    print(table(["layers", "options", "solve ms (best of 3)", "labels kept", "widest layer"],
+                [[r["layers"], r["options"], f"{r['ms']:.2f}", r.get("labels_kept", "-"),
+                  r.get("widest_layer", "-")] for r in sizes],
+                title="solver alone: the last profile's layers tiled, budget 40 % of none"))
+    results["solve_times"] = sizes
     manager.set_cpu_swap(False, delay_ns_per_byte=0.0)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
@@ -242,14 +312,19 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per measured plan")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per plan and round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all plans")
     p.add_argument("--random", type=int, default=20, help="random per-layer assignments")
+    p.add_argument("--quick", action="store_true",
+                   help="6 random assignments, 2 rounds (a smoke run, about a minute)")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.5, 1.0, 2.0])
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default="out/bench_planner.json")
     p.add_argument("--png", default="out/bench_planner.png")
     args = p.parse_args(argv)
+    if args.quick:
+        args.random, args.rounds = 6, 2
     if args.layers < 8:
         p.error("--layers must be >= 8 (issue 11's benchmark shape)")
     run(args)

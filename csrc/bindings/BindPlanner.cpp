@@ -32,6 +32,7 @@ void bind_planner(py::module_& m) {
       .def_readwrite("tail_bytes", &StepProfile::tail_bytes)
       .def_readwrite("outside_seconds", &StepProfile::outside_seconds)
       .def_readwrite("tail_seconds", &StepProfile::tail_seconds)
+      .def_readwrite("prefetch_depth", &StepProfile::prefetch_depth)
       .def("set_links",
            [](StepProfile& p, double d2h_latency, double d2h_per_byte, double h2d_latency,
               double h2d_per_byte) {
@@ -62,33 +63,43 @@ void bind_planner(py::module_& m) {
 
   auto result = [prediction_dict](const PlanResult& r) -> py::object {
     if (!r.feasible) return py::none();
-    return py::make_tuple(r.assignment, prediction_dict(r.prediction));
+    py::dict stats;
+    stats["labels_created"] = r.stats.labels_created;
+    stats["labels_kept"] = r.stats.labels_kept;
+    stats["widest_layer"] = r.stats.widest_layer;
+    stats["exact"] = r.stats.exact;
+    return py::make_tuple(r.assignment, prediction_dict(r.prediction), stats);
   };
   py::class_<Planner>(m, "Planner", "Exact per-layer strategy optimizer (Planner.h).")
-      .def(py::init<StepProfile, int, double>(), py::arg("profile"), py::arg("grid") = 1024,
-           py::arg("time_quantum_seconds") = 0.0)
+      .def(py::init<StepProfile, int64_t, double>(), py::arg("profile"),
+           py::arg("byte_quantum") = 1, py::arg("time_tolerance") = 0.0)
       .def("solve",
-           [result](const Planner& pl, int64_t budget, const std::vector<uint64_t>& allowed) {
+           [result](const Planner& pl, int64_t budget, const std::vector<uint64_t>& allowed,
+                    int64_t host_budget) {
              PlanResult r;
              {
                py::gil_scoped_release no_gil;
-               r = pl.solve(budget, allowed);
+               r = pl.solve(budget, allowed, host_budget);
              }
              return result(r);
            },
            py::arg("budget_bytes"), py::arg("allowed") = std::vector<uint64_t>{},
-           "(assignment, prediction) of the fastest plan within the budget, or None.")
+           py::arg("host_budget_bytes") = -1,
+           "(assignment, prediction, search stats) of the fastest plan within the budgets "
+           "(host_budget_bytes < 0: unbounded), or None.")
       .def("min_peak",
-           [result](const Planner& pl, const std::vector<uint64_t>& allowed) {
+           [result](const Planner& pl, const std::vector<uint64_t>& allowed,
+                    int64_t host_budget) {
              PlanResult r;
              {
                py::gil_scoped_release no_gil;
-               r = pl.min_peak(allowed);
+               r = pl.min_peak(allowed, host_budget);
              }
              return result(r);
            },
-           py::arg("allowed") = std::vector<uint64_t>{},
-           "(assignment, prediction) of the smallest reachable peak.");
+           py::arg("allowed") = std::vector<uint64_t>{}, py::arg("host_budget_bytes") = -1,
+           "(assignment, prediction, search stats) at the smallest budget solve() meets, or "
+           "None when the host budget cannot be met.");
 }
 
 }  // namespace hyper_parallel::bindings

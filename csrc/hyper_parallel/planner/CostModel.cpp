@@ -32,6 +32,8 @@ void StepProfile::validate() const {
     }
   }
   HP_CHECK_VALUE(base_bytes >= 0 && tail_bytes >= 0, "profile base/tail bytes must be >= 0");
+  HP_CHECK_VALUE(prefetch_depth >= 0, "profile prefetch depth must be >= 0, got ",
+                 prefetch_depth);
   HP_CHECK_VALUE(good_seconds(outside_seconds) && good_seconds(tail_seconds),
                  "profile outside/tail seconds must be finite and >= 0");
   for (const CopyLink* link : {&d2h, &h2d}) {
@@ -78,10 +80,18 @@ Prediction evaluate(const StepProfile& p, const std::vector<int>& assignment) {
     out.offload_bytes += c[k].offload_bytes;
   }
   consider(p.base_bytes + kept + p.tail_bytes, -1, false);
-  int64_t below = kept;  // kept bytes of L0..Lk
+  // Reloads issued at the start of Lk's backward and still held: Lk-d .. Lk.
+  const size_t depth = static_cast<size_t>(p.prefetch_depth);
+  int64_t below = kept;   // kept bytes of L0..Lk
+  int64_t window = 0;     // offload bytes of Lk-d .. Lk
   for (size_t k = n; k-- > 0;) {
-    const int64_t prefetched = k > 0 ? c[k - 1].offload_bytes : 0;
-    consider(p.base_bytes + below + c[k].offload_bytes + prefetched, static_cast<int>(k), true);
+    if (k + 1 == n) {
+      for (size_t i = k + 1 > depth ? k - depth : 0; i <= k; ++i) window += c[i].offload_bytes;
+    } else {
+      window -= c[k + 1].offload_bytes;
+      if (k >= depth) window += c[k - depth].offload_bytes;
+    }
+    consider(p.base_bytes + below + window, static_cast<int>(k), true);
     below -= c[k].kept_bytes;
   }
   out.host_peak_bytes = out.offload_bytes;
@@ -100,17 +110,25 @@ Prediction evaluate(const StepProfile& p, const std::vector<int>& assignment) {
     busy += c[k].forward_seconds + c[k].backward_seconds;
   }
   t += p.tail_seconds;
+  // Backward: at trig (Lk's output gradient arrives) reloads Lk .. Lk-d not issued yet
+  // go on the FIFO H2D stream, nearest first; Lk computes once its reload is done.
   double h2d_free = 0.0;
-  double begin = t;  // start of Lk's backward
+  double trig = t;
+  std::vector<double> h2d_done(n, 0.0);
+  size_t issued = n;  // layers >= issued have had their reload issued
   for (size_t k = n; k-- > 0;) {
-    double next = begin + c[k].backward_seconds;
-    if (k > 0 && c[k - 1].offload_bytes > 0) {
-      const double start = std::max({begin, d2h_done[k - 1], h2d_free});
-      h2d_free = start + p.h2d.seconds(c[k - 1].offload_bytes);
-      next = std::max(next, h2d_free);
+    const size_t lowest = k >= depth ? k - depth : 0;
+    for (; issued > lowest;) {
+      const size_t i = --issued;
+      if (c[i].offload_bytes == 0) continue;
+      const double start = std::max({trig, d2h_done[i], h2d_free});
+      h2d_free = start + p.h2d.seconds(c[i].offload_bytes);
+      h2d_done[i] = h2d_free;
     }
-    begin = next;
+    const double begin = c[k].offload_bytes > 0 ? std::max(trig, h2d_done[k]) : trig;
+    trig = begin + c[k].backward_seconds;
   }
+  const double begin = trig;
   out.step_seconds = begin + p.outside_seconds;
   out.stall_seconds = std::max(0.0, out.step_seconds - busy - p.tail_seconds - p.outside_seconds);
   return out;

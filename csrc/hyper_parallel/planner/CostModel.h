@@ -2,21 +2,29 @@
 // CostModel: predicted peak saved-activation bytes and step time of a per-layer plan
 // (docs/design.md, "Planner"). Pure arithmetic on a profile, no tensors.
 //
-// The schedule it models is SPEC 3 with prefetch depth 1, for a chain L0 .. Ln-1:
+// The schedule it models is SPEC 3 with prefetch depth d (SwapManager().set_prefetch_depth),
+// for a chain L0 .. Ln-1:
 //  * forward: at the end of Lk's forward (its release point) the D2H copy of its
 //    offloaded bytes is queued on the D2H stream (FIFO); its device bytes stop counting at
 //    that point, as the library's meter sees it. The forward never waits for a D2H copy.
-//  * backward: when Lk+1's backward begins, the H2D copy of Lk's offloaded bytes starts,
-//    once Lk's D2H copy has finished; Lk's backward begins when both Lk+1's backward and
-//    that reload are done (a reload longer than its window stalls the step).
+//  * backward: when Lj's backward begins (its output gradient arrives), the engine reloads
+//    Lj itself (if not reloaded yet) and Lj-1 .. Lj-d, nearest first (SwapEngine::
+//    backward_begin); so Lk's reload is issued when Lk+d's backward begins (at the first
+//    backward, that of Ln-1, for k >= n-1-d). Reloads run one after another on the H2D
+//    stream (FIFO, in that order), each once its D2H copy has finished; Lk's backward
+//    computes once both its gradient and its reload are there (a reload longer than its
+//    window stalls the step). With d = 0 every reload is fully exposed.
 //  * the last layer offloads nothing; its bytes stay on the device.
 // A copy of n bytes takes latency + n * seconds_per_byte (measured per direction).
 //
 // Peak bytes are the largest of these sample points (the meter's, SPEC 6):
 //  * end of Lk's forward, before its release:    base + kept(L0..Lk-1) + kept(k) + offload(k)
 //  * end of the forward (with the head's saves): base + kept(L0..Ln-1) + tail
-//  * start of Lk's backward, Lk-1's prefetch launched:
-//                                                base + kept(L0..Lk) + offload(k) + offload(k-1)
+//  * start of Lk's backward, its reloads issued:
+//                                base + kept(L0..Lk) + offload(k) + offload(k-d .. k-1)
+// Host bytes: every offloaded byte is on the host at the end of the forward (the D2H
+// copies of a step all precede its first reload), so the host peak is the sum of the
+// offloads (payload bytes; a capped pool also rounds blocks to size classes).
 // Recomputation inside a backward creates tensors that are not saved activations of the
 // step; the meter does not count them, and neither does the model.
 //
@@ -56,11 +64,12 @@ struct StepProfile {
   double tail_seconds = 0.0;     // end of the last layer's forward -> start of its backward
   CopyLink d2h;
   CopyLink h2d;
+  int prefetch_depth = 1;  // layers reloaded ahead in backward (the engine's setting, >= 0)
 
   size_t num_layers() const { return layers.size(); }
   size_t num_options() const { return options.size(); }
   // Throws c10::ValueError (prefixed "hyper_parallel:") for a ragged table, negative bytes
-  // or times, non-finite values, or more than 64 options.
+  // or times, non-finite values, more than 64 options, or a negative prefetch depth.
   void validate() const;
   // The cost of `option` at `layer`, with the last-layer rule applied (its offload bytes
   // become kept bytes).
@@ -72,7 +81,7 @@ struct Prediction {
   double step_seconds = 0.0;    // forward + backward of one step
   double stall_seconds = 0.0;   // part of step_seconds spent waiting for copies
   int64_t offload_bytes = 0;    // bytes copied to the host (and back) per step
-  int64_t host_peak_bytes = 0;  // bytes on the host at the start of the backward
+  int64_t host_peak_bytes = 0;  // bytes on the host at the end of the forward (their sum)
   int peak_layer = -1;          // layer of the peak sample point (-1: the tail)
   bool peak_in_backward = false;
 };

@@ -11,41 +11,121 @@ namespace hyper_parallel::planner {
 namespace {
 
 // Phases of the search (see Planner.h).
-enum Phase : int {
+enum Phase : int8_t {
   kNoOffload = 0,    // no layer offloaded yet
   kMoreToCome = 1,   // offloads happened; the last one is still ahead
   kLastChosen = 2,   // the previous layer is the last one that offloads
   kDraining = 3,     // after that layer's successor: the backlog drains
-  kPhases = 4,
 };
 
 struct Label {
-  double time;     // predicted seconds so far + kTrafficSecondsPerByte * traffic
-  int64_t traffic;
+  int64_t kept;    // kept bytes of the layers so far (rounded up to the quantum)
+  int64_t host;    // offload bytes so far (rounded up to the quantum)
+  double time;     // predicted seconds so far + kTrafficSecondsPerByte * offload bytes
   double backlog;  // D2H queue (kNoOffload..kLastChosen) or remaining wait (kDraining)
+  uint64_t code;   // offload classes of the last `depth` layers, most recent lowest
+  int32_t parent;  // index among the previous layer's labels
+  int16_t option;
+  int8_t phase;
+};
+
+struct Back {
   int32_t parent;
-  int32_t option;
+  int16_t option;
 };
 
-int64_t ceil_div(int64_t a, int64_t b) { return a <= 0 ? 0 : (a + b - 1) / b; }
+constexpr double kInf = std::numeric_limits<double>::infinity();
 
+int64_t round_up(int64_t bytes, int64_t quantum) {
+  return quantum <= 1 ? bytes : (bytes + quantum - 1) / quantum * quantum;
+}
 
-// Per-layer, per-option values the search uses.
-struct Column {
-  int64_t kept_q, off_q;
-  double fwd, bwd, d2h, h2d;
-  int64_t off;
-};
+// Keeps the labels no other label of their (phase, code) dominates (Planner.h), in place.
+// `linear`: a backlog at least this large passes through every later max(0, .) of the
+// model, so two such labels compare by time + backlog alone (exact).
+// `per_kept` > 0: at most that many labels (the fastest) per (phase, code, kept bytes).
+void prune(std::vector<Label>& labels, double eps, double linear, int per_kept) {
+  std::sort(labels.begin(), labels.end(), [](const Label& a, const Label& b) {
+    if (a.phase != b.phase) return a.phase < b.phase;
+    if (a.code != b.code) return a.code < b.code;
+    if (a.kept != b.kept) return a.kept < b.kept;
+    if (a.time != b.time) return a.time < b.time;
+    if (a.backlog != b.backlog) return a.backlog < b.backlog;
+    return a.host < b.host;
+  });
+  struct Front {
+    int64_t host;
+    double time, backlog;
+  };
+  std::vector<Front> front;
+  size_t out = 0;
+  int same_kept = 0;
+  for (size_t i = 0; i < labels.size(); ++i) {
+    const Label l = labels[i];
+    if (i == 0 || l.phase != labels[i - 1].phase || l.code != labels[i - 1].code) {
+      front.clear();
+      same_kept = 0;
+    } else if (l.kept != labels[i - 1].kept) {
+      same_kept = 0;
+    }
+    if (per_kept > 0 && same_kept >= per_kept) continue;
+    bool dominated = false;
+    for (const Front& f : front) {
+      const double extra = f.backlog >= linear && l.backlog >= linear
+                               ? f.backlog - l.backlog
+                               : std::max(0.0, f.backlog - l.backlog);
+      if (f.host <= l.host && f.time + extra <= l.time + eps) {
+        dominated = true;
+        break;
+      }
+    }
+    if (dominated) continue;
+    // A front entry that l dominates is no longer needed to judge later labels (they
+    // have at least l's kept bytes, and dominance is transitive).
+    front.erase(std::remove_if(front.begin(), front.end(),
+                               [&](const Front& f) {
+                                 const double extra =
+                                     f.backlog >= linear && l.backlog >= linear
+                                         ? l.backlog - f.backlog
+                                         : std::max(0.0, l.backlog - f.backlog);
+                                 return l.host <= f.host && l.time + extra <= f.time;
+                               }),
+                front.end());
+    front.push_back(Front{l.host, l.time, l.backlog});
+    ++same_kept;
+    labels[out++] = l;
+  }
+  labels.resize(out);
+}
 
 }  // namespace
 
-Planner::Planner(StepProfile profile, int grid, double time_quantum_seconds)
-    : profile_(std::move(profile)), grid_(grid), time_quantum_(time_quantum_seconds) {
+Planner::Planner(StepProfile profile, int64_t byte_quantum, double time_tolerance)
+    : profile_(std::move(profile)), quantum_(byte_quantum), tolerance_(time_tolerance) {
   profile_.validate();
-  HP_CHECK_VALUE(grid >= 16 && grid <= (1 << 20), "planner grid must be in [16, 2**20], got ",
-                 grid);
-  HP_CHECK_VALUE(std::isfinite(time_quantum_) && time_quantum_ >= 0.0,
-                 "planner time quantum must be finite and >= 0, got ", time_quantum_seconds);
+  HP_CHECK_VALUE(byte_quantum >= 1, "planner byte quantum must be >= 1, got ", byte_quantum);
+  HP_CHECK_VALUE(std::isfinite(time_tolerance) && time_tolerance >= 0.0 && time_tolerance < 1.0,
+                 "planner time tolerance must be in [0, 1), got ", time_tolerance);
+  const size_t n = profile_.num_layers(), s = profile_.num_options();
+  class_of_.assign(n, std::vector<int>(s, 0));
+  class_bytes_.assign(n, std::vector<int64_t>{0});
+  for (size_t k = 0; k < n; ++k) {
+    for (size_t o = 0; o < s; ++o) {
+      const int64_t off = profile_.effective(k, o).offload_bytes;
+      auto& bytes = class_bytes_[k];
+      auto it = std::find(bytes.begin(), bytes.end(), off);
+      if (it == bytes.end()) it = bytes.insert(bytes.end(), off);
+      class_of_[k][o] = static_cast<int>(it - bytes.begin());
+    }
+    radix_ = std::max<uint64_t>(radix_, class_bytes_[k].size());
+  }
+  depth_ = static_cast<int>(std::min<int64_t>(profile_.prefetch_depth,
+                                              static_cast<int64_t>(n) - 1));
+  double codes = 1.0;
+  for (int i = 0; i < depth_; ++i) codes *= static_cast<double>(radix_);
+  HP_CHECK_VALUE(codes < 4.0e18, "the planner models prefetch depths whose ", radix_,
+                 "^depth offload classes fit in 62 bits; depth ", profile_.prefetch_depth,
+                 " does not (plan for a smaller depth, or with fewer swapping candidates)");
 }
 
 std::vector<uint64_t> Planner::masks(const std::vector<uint64_t>& allowed) const {
@@ -62,110 +142,67 @@ std::vector<uint64_t> Planner::masks(const std::vector<uint64_t>& allowed) const
   return out;
 }
 
-bool Planner::fits(int64_t budget, int64_t quantum, const std::vector<uint64_t>& allowed) const {
-  const StepProfile& p = profile_;
-  const size_t n = p.num_layers(), s = p.num_options();
-  if (budget < p.base_bytes) return false;
-  const int64_t cap = (budget - p.base_bytes) / quantum;
-  const int64_t tail_q = ceil_div(p.tail_bytes, quantum);
-  const size_t width = s + 1;  // previous option, or s for "none before layer 0"
-  std::vector<char> cur((cap + 1) * width, 0), nxt;
-  cur[s] = 1;
-  std::vector<int64_t> prev_off(width, 0);
-  for (size_t k = 0; k < n; ++k) {
-    nxt.assign(cur.size(), 0);
-    std::vector<int64_t> kq(s), oq(s);
-    for (size_t o = 0; o < s; ++o) {
-      const OptionCost c = p.effective(k, o);
-      kq[o] = ceil_div(c.kept_bytes, quantum);
-      oq[o] = ceil_div(c.offload_bytes, quantum);
-    }
-    for (int64_t mem = 0; mem <= cap; ++mem) {
-      for (size_t pr = 0; pr < width; ++pr) {
-        if (!cur[mem * width + pr]) continue;
-        for (size_t o = 0; o < s; ++o) {
-          if (!(allowed[k] >> o & 1)) continue;
-          const int64_t next = mem + kq[o];
-          if (mem + kq[o] + oq[o] > cap || next + oq[o] + prev_off[pr] > cap) continue;
-          if (k + 1 == n && next + tail_q > cap) continue;
-          nxt[next * width + o] = 1;
-        }
-      }
-    }
-    std::swap(cur, nxt);
-    for (size_t o = 0; o < s; ++o) prev_off[o] = oq[o];
-    prev_off[s] = 0;
-  }
-  return std::any_of(cur.begin(), cur.end(), [](char c) { return c != 0; });
-}
-
-PlanResult Planner::solve(int64_t budget, const std::vector<uint64_t>& allowed) const {
+PlanResult Planner::solve(int64_t budget, const std::vector<uint64_t>& allowed,
+                          int64_t host_budget) const {
   const std::vector<uint64_t> m = masks(allowed);
-  if (budget <= profile_.base_bytes) return {};
-  const int64_t quantum = std::max<int64_t>(1, ceil_div(budget - profile_.base_bytes, grid_));
-  int64_t target = budget;
-  for (int attempt = 0; attempt < 6 && target > profile_.base_bytes; ++attempt) {
-    PlanResult r = solve_on_grid(target, quantum, m, /*conservative=*/false);
-    if (!r.feasible || r.prediction.peak_bytes <= budget) {
-      if (r.feasible || attempt == 0) return r.feasible ? r : solve_on_grid(budget, quantum, m);
-      break;
-    }
-    target -= r.prediction.peak_bytes - budget + quantum;
-  }
-  return solve_on_grid(budget, quantum, m);
+  PlanResult r = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels);
+  if (!r.stats.overflowed) return r;
+  // The fronts outgrew the exact search (copies saturating the link over many layers):
+  // search again on a byte grid of 1/512 of the budget, keeping the 4 fastest labels
+  // per kept-bytes quantum (a heuristic: no bound on the time lost).
+  const int64_t q = std::max<int64_t>(quantum_, (budget - profile_.base_bytes) / 512);
+  PlanResult a = search(budget, host_budget, m, false, q, tolerance_, -1, 4);
+  a.stats.labels_created += r.stats.labels_created;
+  a.stats.labels_kept += r.stats.labels_kept;
+  a.stats.exact = false;
+  return a;
 }
 
-PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed) const {
+PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_budget) const {
   const std::vector<uint64_t> m = masks(allowed);
   const StepProfile& p = profile_;
   // An upper bound of every plan's peak: each sample point is at most this.
-  int64_t upper = p.base_bytes + p.tail_bytes;
+  int64_t hi = p.base_bytes + p.tail_bytes;
   for (size_t k = 0; k < p.num_layers(); ++k) {
     int64_t most = 0;
     for (size_t o = 0; o < p.num_options(); ++o) {
       const OptionCost c = p.effective(k, o);
       most = std::max(most, c.kept_bytes + c.offload_bytes);
     }
-    upper += 2 * most;
+    hi += round_up(2 * most, quantum_) + quantum_;
   }
-  const int64_t quantum = std::max<int64_t>(1, ceil_div(upper - p.base_bytes, grid_));
-  int64_t lo = 0, hi = ceil_div(upper - p.base_bytes, quantum);  // in quanta above base
-  while (lo < hi) {
+  auto fits = [&](int64_t b) { return search(b, host_budget, m, true, quantum_, 0.0, -1).feasible; };
+  if (!fits(hi)) return {};
+  int64_t lo = p.base_bytes;  // infeasible: every plan holds more than base
+  while (hi - lo > 1) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (fits(p.base_bytes + mid * quantum, quantum, m)) hi = mid;
-    else lo = mid + 1;
+    if (fits(mid)) hi = mid;
+    else lo = mid;
   }
-  return solve_on_grid(p.base_bytes + lo * quantum, quantum, m);
+  return solve(hi, allowed, host_budget);
 }
 
-PlanResult Planner::solve_on_grid(int64_t budget, int64_t quantum,
-                                  const std::vector<uint64_t>& allowed, bool conservative) const {
-  auto q = [&](int64_t bytes) {
-    return conservative ? ceil_div(bytes, quantum) : (bytes + quantum / 2) / quantum;
-  };
+PlanResult Planner::search(int64_t budget, int64_t host_budget,
+                           const std::vector<uint64_t>& allowed, bool memory_only,
+                           int64_t quantum, double tolerance, int64_t max_labels,
+                           int per_kept) const {
   const StepProfile& p = profile_;
   const size_t n = p.num_layers(), s = p.num_options();
+  const int depth = depth_;
+  const bool exposed = p.prefetch_depth == 0;  // every reload waits in full
+  const int64_t host_cap = host_budget < 0 ? std::numeric_limits<int64_t>::max() : host_budget;
   PlanResult result;
-  if (budget < p.base_bytes) return result;
-  const int64_t cap = (budget - p.base_bytes) / quantum;
-  const int64_t tail_q = q(p.tail_bytes);
-  const size_t width = s + 1;
-  auto cell = [&](int64_t mem, size_t prev, int phase) {
-    return (static_cast<size_t>(mem) * width + prev) * kPhases + static_cast<size_t>(phase);
-  };
-  const size_t cells = static_cast<size_t>(cap + 1) * width * kPhases;
-
-  std::vector<Label> labels;
-  labels.push_back(Label{0.0, 0, 0.0, -1, -1});
-  std::vector<std::vector<int32_t>> cur(cells), nxt(cells);
-  std::vector<size_t> touched{cell(0, s, kNoOffload)}, next_touched;
-  cur[touched[0]].push_back(0);
+  if (budget <= p.base_bytes) return result;
+  uint64_t keep_mod = 1;  // radix^(depth - 1): the digits that survive one shift
+  for (int i = 1; i < depth; ++i) keep_mod *= radix_;
 
   // Per layer: the least forward time and the least work (forward + backward) left from
   // it on, over its allowed options; a backlog that these surely drain is as good as none.
   std::vector<double> min_fwd(n + 1, 0.0), rest(n + 1, p.tail_seconds);
+  // most[k]: the most work (forward + backward) from layer k on, plus the tail.
+  std::vector<double> most(n + 1, p.tail_seconds);
   for (size_t k = n; k-- > 0;) {
-    double f = std::numeric_limits<double>::infinity(), w = f;
+    double f = kInf, w = kInf;
     for (size_t o = 0; o < s; ++o) {
       if (!(allowed[k] >> o & 1)) continue;
       f = std::min(f, p.layers[k][o].forward_seconds);
@@ -173,6 +210,15 @@ PlanResult Planner::solve_on_grid(int64_t budget, int64_t quantum,
     }
     min_fwd[k] = f;
     rest[k] = rest[k + 1] + w;
+    double m = 0.0;
+    for (size_t o = 0; o < s; ++o) {
+      if (allowed[k] >> o & 1) m = std::max(m, p.layers[k][o].forward_seconds);
+    }
+    double mb = 0.0;
+    for (size_t o = 0; o < s; ++o) {
+      if (allowed[k] >> o & 1) mb = std::max(mb, p.layers[k][o].backward_seconds);
+    }
+    most[k] = most[k + 1] + m + mb;
   }
   // irrelevant[k]: a backlog after layer k's release point at most this large never
   // delays the first reload, whatever the later layers choose: it is drained by the work
@@ -182,7 +228,7 @@ PlanResult Planner::solve_on_grid(int64_t budget, int64_t quantum,
   {
     std::vector<double> net(n, 0.0);  // least forward - copy per layer
     for (size_t j = 0; j < n; ++j) {
-      double v = std::numeric_limits<double>::infinity();
+      double v = kInf;
       for (size_t o = 0; o < s; ++o) {
         if (!(allowed[j] >> o & 1)) continue;
         const OptionCost c = p.effective(j, o);
@@ -191,7 +237,7 @@ PlanResult Planner::solve_on_grid(int64_t budget, int64_t quantum,
       net[j] = v;
     }
     for (size_t k = 0; k + 1 < n; ++k) {
-      double best = std::numeric_limits<double>::infinity(), along = 0.0;
+      double best = kInf, along = 0.0;
       for (size_t m = k; m + 1 < n; ++m) {
         if (m > k) along += net[m];
         best = std::min(best, along + min_fwd[m + 1] + rest[m + 2]);
@@ -199,118 +245,124 @@ PlanResult Planner::solve_on_grid(int64_t budget, int64_t quantum,
       irrelevant[k] = best;
     }
   }
-  size_t layer = 0;  // the layer whose labels are being created
-  auto insert = [&](size_t at, Label l) {
-    const int phase = static_cast<int>(at % kPhases);
-    const double free = phase == kDraining ? rest[layer + 1]
-                                           : std::max(min_fwd[layer + 1], irrelevant[layer]);
-    if (l.backlog <= free) {
-      l.backlog = 0.0;
-    } else if (time_quantum_ > 0.0) {
-      l.backlog = std::ceil(l.backlog / time_quantum_ - 1e-9) * time_quantum_;
-    }
-    std::vector<int32_t>& front = nxt[at];
-    for (int32_t i : front) {
-      const Label& o = labels[i];
-      if (o.time <= l.time && o.backlog <= l.backlog) return;
-    }
-    if (front.empty()) next_touched.push_back(at);
-    front.erase(std::remove_if(front.begin(), front.end(),
-                               [&](int32_t i) {
-                                 const Label& o = labels[i];
-                                 return l.time <= o.time && l.backlog <= o.backlog;
-                               }),
-                front.end());
-    front.push_back(static_cast<int32_t>(labels.size()));
-    labels.push_back(l);
-  };
 
-  std::vector<Column> prev_col(width, Column{0, 0, 0.0, 0.0, 0.0, 0.0, 0});
-  std::vector<Column> col(s);
+  // The slack of each pruning: over the n layers at most tolerance x a lower bound of
+  // every plan's step time (Planner.h).
+  const double eps = tolerance * (rest[0] + p.outside_seconds) / static_cast<double>(n);
+  std::vector<std::vector<Back>> history(n);
+  std::vector<Label> cur{Label{0, 0, 0.0, 0.0, 0, -1, -1, kNoOffload}}, next;
+  std::vector<OptionCost> cost(s);
   for (size_t k = 0; k < n; ++k) {
-    layer = k;
-    for (size_t o = 0; o < s; ++o) {
-      const OptionCost c = p.effective(k, o);
-      col[o] = Column{q(c.kept_bytes), q(c.offload_bytes),
-                      c.forward_seconds, c.backward_seconds, p.d2h.seconds(c.offload_bytes),
-                      p.h2d.seconds(c.offload_bytes), c.offload_bytes};
-    }
+    for (size_t o = 0; o < s; ++o) cost[o] = p.effective(k, o);
     const bool last = k + 1 == n;
-    for (size_t at : touched) {
-      const int phase = static_cast<int>(at % kPhases);
-      const size_t prev = (at / kPhases) % width;
-      const int64_t mem = static_cast<int64_t>(at / kPhases / width);
-      const Column& pc = prev_col[prev];
-      for (int32_t li : cur[at]) {
-        const Label base = labels[li];
-        for (size_t o = 0; o < s; ++o) {
-          if (!(allowed[k] >> o & 1)) continue;
-          const Column& c = col[o];
-          const int64_t next_mem = mem + c.kept_q;
-          if (mem + c.kept_q + c.off_q > cap || next_mem + c.off_q + pc.off_q > cap) continue;
-          if (last && next_mem + tail_q > cap) continue;
-          Label l{base.time + c.fwd + c.bwd + kTrafficSecondsPerByte * static_cast<double>(c.off),
-                  base.traffic + c.off, 0.0, li, static_cast<int32_t>(o)};
-          const bool offloads = c.off > 0;
-          if (phase == kNoOffload || phase == kMoreToCome) {
-            // A reload other than the first of the backward: only its own window counts.
-            if (pc.off > 0) l.time += std::max(0.0, pc.h2d - c.bwd);
-            l.backlog = std::max(0.0, base.backlog - c.fwd) + c.d2h;
-            if (offloads) {
-              insert(cell(next_mem, o, kMoreToCome), l);
-              insert(cell(next_mem, o, kLastChosen), l);
-            } else {
-              insert(cell(next_mem, o, phase), l);
-            }
-          } else if (offloads) {
-            continue;  // the last offload was already chosen
-          } else if (phase == kLastChosen) {
-            // The first reload of the backward: it waits for the D2H backlog left after
-            // the forwards, tail and backwards that run after the offload.
-            const double slack = pc.h2d - c.bwd;
+    const double free_draining = rest[k + 1];
+    const double free_other = std::max(min_fwd[k + 1], irrelevant[k]);
+    next.clear();
+    for (size_t li = 0; li < cur.size(); ++li) {
+      const Label& base = cur[li];
+      // Offload bytes of layers k-1 .. k-depth (prefetched when Lk's backward starts).
+      int64_t window = 0, prev_off = 0;
+      uint64_t code = base.code;
+      for (int i = 0; i < depth && static_cast<int64_t>(k) - 1 - i >= 0; ++i, code /= radix_) {
+        const int64_t off = class_bytes_[k - 1 - i][code % radix_];
+        window += off;
+        if (i == 0) prev_off = off;
+      }
+      const int64_t held = p.base_bytes + base.kept;
+      for (size_t o = 0; o < s; ++o) {
+        if (!(allowed[k] >> o & 1)) continue;
+        const OptionCost& c = cost[o];
+        const int64_t off = c.offload_bytes;
+        // The sample points of CostModel.h that involve layer k.
+        if (held + c.kept_bytes + off > budget) continue;                // end of its forward
+        if (held + c.kept_bytes + off + window > budget) continue;       // start of its backward
+        if (last && held + c.kept_bytes + p.tail_bytes > budget) continue;  // end of forward
+        if (base.host + off > host_cap) continue;
+        // Host bytes matter only under a host budget (otherwise they would split fronts).
+        Label l{round_up(base.kept + c.kept_bytes, quantum),
+                host_budget < 0 ? 0 : round_up(base.host + off, quantum),
+                0.0, 0.0,
+                depth > 0 ? class_of_[k][o] + radix_ * (base.code % keep_mod) : 0,
+                static_cast<int32_t>(li), static_cast<int16_t>(o), kNoOffload};
+        if (memory_only) {
+          next.push_back(l);
+          continue;
+        }
+        const bool offloads = off > 0;
+        l.time = base.time + c.forward_seconds + c.backward_seconds +
+                 kTrafficSecondsPerByte * static_cast<double>(off);
+        const double prev_h2d = p.h2d.seconds(prev_off);
+        auto add = [&](Label x, int8_t phase) {
+          const double free = phase == kDraining ? free_draining : free_other;
+          if (x.backlog <= free) x.backlog = 0.0;
+          x.phase = phase;
+          next.push_back(x);
+        };
+        if (base.phase == kNoOffload || base.phase == kMoreToCome) {
+          // A reload other than the first of the backward: only its own window counts.
+          if (exposed) l.time += p.h2d.seconds(off);
+          else if (prev_off > 0) l.time += std::max(0.0, prev_h2d - c.backward_seconds);
+          l.backlog = std::max(0.0, base.backlog - c.forward_seconds) + p.d2h.seconds(off);
+          if (offloads) {
+            add(l, kMoreToCome);
+            add(l, kLastChosen);
+          } else {
+            add(l, base.phase);
+          }
+        } else if (offloads) {
+          continue;  // the last offload was already chosen
+        } else if (base.phase == kLastChosen) {
+          // The first reload of the backward: it waits for the D2H backlog left after
+          // the forwards, tail and backwards that run before it is needed.
+          if (exposed) {
+            l.backlog = std::max(0.0, base.backlog - c.forward_seconds - c.backward_seconds);
+          } else {
+            const double slack = prev_h2d - c.backward_seconds;
             const double now = std::max(0.0, slack);
             l.time += now;
-            l.backlog = std::max(0.0, base.backlog - c.fwd + slack - now);
-            insert(cell(next_mem, o, kDraining), l);
-          } else {  // kDraining
-            l.backlog = std::max(0.0, base.backlog - c.fwd - c.bwd);
-            insert(cell(next_mem, o, kDraining), l);
+            l.backlog = std::max(0.0, base.backlog - c.forward_seconds + slack - now);
           }
+          add(l, kDraining);
+        } else {  // kDraining
+          l.backlog = std::max(0.0, base.backlog - c.forward_seconds - c.backward_seconds);
+          add(l, kDraining);
         }
       }
-      cur[at].clear();
     }
-    std::swap(cur, nxt);
-    std::swap(touched, next_touched);
-    next_touched.clear();
-    for (size_t o = 0; o < s; ++o) prev_col[o] = col[o];
+    result.stats.labels_created += static_cast<int64_t>(next.size());
+    prune(next, memory_only ? 0.0 : eps, memory_only ? kInf : most[k + 1], per_kept);
+    result.stats.labels_kept += static_cast<int64_t>(next.size());
+    result.stats.widest_layer = std::max<int64_t>(result.stats.widest_layer,
+                                                  static_cast<int64_t>(next.size()));
+    if (max_labels >= 0 && static_cast<int64_t>(next.size()) > max_labels) {
+      result.stats.overflowed = true;
+      return result;
+    }
+    history[k].resize(next.size());
+    for (size_t i = 0; i < next.size(); ++i) history[k][i] = Back{next[i].parent, next[i].option};
+    std::swap(cur, next);
+    if (cur.empty()) return result;
   }
 
   int32_t best = -1;
   double best_time = 0.0;
-  for (size_t at : touched) {
-    const int phase = static_cast<int>(at % kPhases);
-    if (phase == kMoreToCome || phase == kLastChosen) continue;
-    for (int32_t li : cur[at]) {
-      const Label& l = labels[li];
-      const double t =
-          l.time + (phase == kDraining ? std::max(0.0, l.backlog - p.tail_seconds) : 0.0);
-      if (best < 0 || t < best_time) {
-        best = li;
-        best_time = t;
-      }
+  for (size_t i = 0; i < cur.size(); ++i) {
+    const Label& l = cur[i];
+    if (l.phase == kMoreToCome || l.phase == kLastChosen) continue;
+    const double t = l.time + (l.phase == kDraining ? std::max(0.0, l.backlog - p.tail_seconds)
+                                                    : 0.0);
+    if (best < 0 || t < best_time) {
+      best = static_cast<int32_t>(i);
+      best_time = t;
     }
   }
   if (best < 0) return result;
   result.feasible = true;
-  std::vector<int> reversed;
-  for (int32_t li = best; labels[li].parent >= 0; li = labels[li].parent) {
-    reversed.push_back(labels[li].option);
+  result.assignment.assign(n, 0);
+  for (size_t k = n, at = static_cast<size_t>(best); k-- > 0;) {
+    result.assignment[k] = history[k][at].option;
+    at = static_cast<size_t>(history[k][at].parent);
   }
-  HP_INTERNAL_ASSERT(reversed.size() == n, "planner backtrack found ", reversed.size(),
-                     " layers for ", n);
-  std::reverse(reversed.begin(), reversed.end());
-  result.assignment = std::move(reversed);
   result.prediction = evaluate(p, result.assignment);
   return result;
 }

@@ -1,38 +1,56 @@
 #pragma once
 // Planner: the exact optimizer over per-layer strategies (docs/design.md, "Planner").
 //
-// Minimises the predicted step time of CostModel.h under a peak-bytes budget; ties go to
-// less host traffic: the objective is step_seconds + kTrafficSecondsPerByte * offload
-// bytes (1e-15 s per byte: 1 us per GB, far below any measured time difference).
+// Minimises the predicted step time of CostModel.h under a peak-bytes budget on the
+// device and, optionally, a budget of host bytes; ties go to less host traffic: the
+// objective is step_seconds + kTrafficSecondsPerByte * offload bytes (1e-15 s per byte:
+// 1 us per GB, far below any measured time difference).
 //
-// Method: dynamic programming over the layers in forward order. A state is
-//   (bytes kept so far, in quanta of the byte grid; the previous layer's option; phase)
-// and holds a Pareto set of labels (objective so far, copy backlog).
-// The byte grid makes the memory constraint a knapsack; every sample point of the cost
-// model depends only on the kept prefix and on the current and previous layer, so it is
-// checked exactly on the grid. Bytes are rounded to the nearest quantum and the plan
-// found is checked with the exact bytes; if it overshoots, the search runs again with the
-// budget lowered by the overshoot (a few times), then with bytes rounded up, so a plan
-// returned always meets the budget. The time terms decompose because the D2H stream is FIFO
-// and the prefetch depth is 1: a reload other than the first one of the backward never
-// waits for its D2H copy (all copies queued before the last offload are done by then), so
-// it stalls by max(0, reload - backward of the next layer); the first reload (of the last
-// offloading layer m) waits for the D2H backlog left at m's release point minus the work
-// that runs after it (forwards after m, the tail, backwards of layers above m + 1). The
-// phase says whether m was already chosen, the label's backlog carries that queue; labels
-// are pruned only when another label of the same state is no worse in objective and
-// backlog. A backlog that the work before the first reload surely drains, whatever the
-// later layers choose, is set to 0 (exact). So the search is exact for the model on the
-// byte grid (a brute-force test checks it); the plan it returns always meets the budget
-// and its prediction is evaluate()'s. With time_quantum_seconds > 0 the backlog is also
-// rounded up to that grid (fewer distinct labels; exact only for times on the grid).
+// Method: dynamic programming over the layers in forward order with exact bytes. After
+// layer k a label holds
+//   (kept bytes of L0..Lk, host bytes, the offload class of Lk .. Lk-d+1, phase;
+//    objective so far, D2H backlog)
+// where the offload class of a layer is which of its distinct offload sizes it took (the
+// backward sample points of the next d layers need them) and the phase says whether the
+// last offloading layer m was chosen yet. Every sample point of the cost model depends
+// only on the kept prefix, the current layer and the d layers before it, so the memory
+// constraints are checked exactly, in bytes. The time terms decompose because the D2H
+// stream is FIFO and reloads run in descending layer order: only the first reload of the
+// backward (that of m) can wait for a D2H copy (all earlier ones finished before m's);
+// with depth 1 every other reload of Lk stalls by max(0, reload - backward of Lk+1), with
+// depth 0 by its whole reload time; m's reload waits for the backlog left at m's release
+// point minus the work that runs after it (forwards after m, the tail, the backwards above
+// it), which the label's backlog carries through the later layers.
 //
-// Cost: O(layers * grid * options^2 * Pareto size). The Pareto sets stay small while
-// copies fit their windows (the 8 layers x 6 options of bench_planner.py: 1 to 40 ms);
-// when the copies compete with the forwards they grow with the layer count (100 layers x
-// 6 options, grid 1024, copies at half a forward: 1.5 to 3 s on a loaded 2-core machine,
-// PlannerTest.HundredLayers); rounding the backlog (time_quantum_seconds) did not make
-// that case faster in our measurements.
+// Pruning (exact): among labels of the same (classes, phase), label A dominates B when
+//   kept_A <= kept_B, host_A <= host_B and objective_A + max(0, backlog_A - backlog_B)
+//   <= objective_B.
+// This is sound because every constraint of the later layers is monotone in the kept and
+// host bytes, and the final objective is (objective so far) + g(backlog) with g
+// non-decreasing and 1-Lipschitz (the backlog only passes through max(0, b - x) + y and is
+// finally added to the time). Labels are swept in increasing kept bytes per (classes,
+// phase), each checked against the front of those before it. A backlog that the work
+// before the first reload surely drains, whatever the later layers choose, is set to 0
+// (exact). So the search is exact for the cost model, at every depth d <= 1 and every
+// budget (no byte grid: the brute-force GoogleTest checks it), and a larger budget never
+// gives a slower plan (the feasible set only grows).
+//
+// Depth d >= 2: the memory constraints are exact (the d classes), the time minimised is
+// the depth-1 time of the assignment, an upper bound of its depth-d time (a reload issued
+// earlier never finishes later: the schedule is a max-plus system, monotone in its issue
+// times); the prediction returned is evaluate()'s at depth d.
+//
+// With time_tolerance > 0 a label is also dropped when another is within
+// eps = tolerance x (least possible step time) / layers of dominating it; each layer's
+// pruning then loses at most eps, so the plan found is within tolerance x its step time of
+// the optimum.
+// With byte_quantum > 1 the kept and host bytes of a label are rounded up to multiples of
+// it after each layer (a sound over-estimate: a plan returned always meets its budgets;
+// one whose peak lies within (layers + depth + 2) quanta of the budget may be missed),
+// which bounds the number of labels per (classes, phase) by the number of quanta.
+//
+// Cost: O(layers * labels * options), labels the size of the Pareto fronts;
+// statistics() reports them (PlannerTest bounds them).
 //
 // Thread-safety: a Planner is immutable after construction; solve() may run concurrently.
 
@@ -45,39 +63,65 @@ namespace hyper_parallel::planner {
 
 inline constexpr double kTrafficSecondsPerByte = 1e-15;
 
+struct SearchStats {
+  int64_t labels_created = 0;  // labels offered to the fronts, all layers
+  int64_t labels_kept = 0;     // labels that survived pruning, all layers
+  int64_t widest_layer = 0;    // most labels kept after one layer
+  bool exact = true;           // false: found by the fallback search (see solve())
+  bool overflowed = false;     // internal: the search stopped at its label limit
+};
+
+// Labels one layer of the exact search may keep before solve() falls back.
+inline constexpr int64_t kMaxExactLabels = 60000;
+
 struct PlanResult {
   bool feasible = false;
   std::vector<int> assignment;  // option index per layer (empty when infeasible)
   Prediction prediction;        // evaluate(profile, assignment)
+  SearchStats stats;
 };
 
 class Planner {
  public:
-  // `grid`: number of byte quanta the budget is split into (>= 16).
-  // `time_quantum_seconds`: the backlog's time grid (0: exact).
-  explicit Planner(StepProfile profile, int grid = 1024, double time_quantum_seconds = 0.0);
+  // `byte_quantum`: kept and host bytes are rounded up to multiples of it (1: exact).
+  // Throws c10::ValueError for a bad profile, a quantum < 1, or a prefetch depth whose
+  // classes do not fit in 62 bits (about 10 layers of 6 offload sizes).
+  // `time_tolerance`: relative slack of the pruning (0: exact; see the header comment).
+  explicit Planner(StepProfile profile, int64_t byte_quantum = 1, double time_tolerance = 0.0);
 
-  // The fastest plan whose predicted peak is <= budget_bytes, or feasible = false.
+  // The fastest plan whose predicted peak is <= budget_bytes and whose host bytes are
+  // <= host_budget_bytes (< 0: unbounded), or feasible = false. When a layer's front
+  // outgrows kMaxExactLabels (copies far slower than the forwards, over many layers),
+  // the search is redone with bytes rounded up to budget / 512, keeping only the 4
+  // fastest labels per (classes, phase, kept quantum): a heuristic whose plan meets the
+  // budgets but whose time has no proven bound; the result says stats.exact = false.
   // `allowed[k]` (optional, one bit per option) restricts the options of layer k.
-  PlanResult solve(int64_t budget_bytes, const std::vector<uint64_t>& allowed = {}) const;
-  // The smallest predicted peak that some plan reaches (searched on the byte grid of the
-  // none plan's peak), with the fastest plan at that peak.
-  PlanResult min_peak(const std::vector<uint64_t>& allowed = {}) const;
+  PlanResult solve(int64_t budget_bytes, const std::vector<uint64_t>& allowed = {},
+                   int64_t host_budget_bytes = -1) const;
+  // The smallest budget for which solve() finds a plan (exact: a binary search over bytes
+  // of a memory-only search), with the fastest plan at it; feasible = false when even an
+  // unbounded device budget cannot meet the host budget.
+  PlanResult min_peak(const std::vector<uint64_t>& allowed = {},
+                      int64_t host_budget_bytes = -1) const;
 
   const StepProfile& profile() const { return profile_; }
 
  private:
-  // Whether some plan fits `budget_bytes` on a grid of `quantum` bytes (memory only).
-  bool fits(int64_t budget_bytes, int64_t quantum, const std::vector<uint64_t>& allowed) const;
-  // `budget_bytes` is checked on the grid with bytes rounded up (`conservative`) or to
-  // the nearest quantum.
-  PlanResult solve_on_grid(int64_t budget_bytes, int64_t quantum,
-                           const std::vector<uint64_t>& allowed, bool conservative = true) const;
+  // max_labels < 0: no limit.
+  PlanResult search(int64_t budget_bytes, int64_t host_budget_bytes,
+                    const std::vector<uint64_t>& allowed, bool memory_only, int64_t quantum,
+                    double tolerance, int64_t max_labels, int per_kept = 0) const;
   std::vector<uint64_t> masks(const std::vector<uint64_t>& allowed) const;
 
   StepProfile profile_;
-  int grid_;
-  double time_quantum_;
+  int64_t quantum_;
+  double tolerance_;
+  // Per layer: offload class of each option, and the offload bytes of each class
+  // (class 0: no offload).
+  std::vector<std::vector<int>> class_of_;
+  std::vector<std::vector<int64_t>> class_bytes_;
+  int depth_ = 0;       // min(prefetch depth, layers - 1)
+  uint64_t radix_ = 1;  // classes per digit of the class code
 };
 
 }  // namespace hyper_parallel::planner

@@ -301,7 +301,9 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
               layer name to strategy; unlisted layers get ``"none"``;
             * a plan object (the planner's; :class:`LayerPlan` protocol): anything with a
               ``strategies`` attribute holding one of the forms above, typically a dict
-              ``{"model.layers.0": "swap", ...}``.
+              ``{"model.layers.0": "swap", ...}``. If it also has an int
+              ``prefetch_depth`` (an :class:`ActivationPlan`: the depth it was solved
+              for), ``SwapManager().set_prefetch_depth`` is set to it.
         layers: which modules are the layers, in forward order: ``None`` (default:
             :func:`find_layers`), a list of fully qualified names or of modules (wrapped
             or not), or a predicate ``predicate(name, module) -> bool`` (matches in
@@ -339,6 +341,11 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     slots = resolve_layer_slots(model, layers)
     strategies = _plan_strategies(plan, slots)
     op_policy, tensor_policy = _split_policy(policy_fn, strategies)
+    depth = getattr(plan, "prefetch_depth", None) if isinstance(plan, LayerPlan) else None
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)
+                              or depth < 0):
+        raise ValueError(f"hyper_parallel: the plan's prefetch_depth must be an int >= 0, got "
+                         f"{depth!r}")
     previous: _Applied | None = unwrapped(model).__dict__.get(_STATE)
     ours = {id(w) for w in (previous.chained if previous else ())} | {
         id(s.current) for s in (previous.slots if previous else ())}
@@ -355,6 +362,8 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
         _refuse_hf_checkpointing(model)
 
     remove_activation_memory(model)
+    if depth is not None:
+        SwapManager().set_prefetch_depth(depth)  # the depth the plan was solved for
     originals = [s.layer for s in slots]
     done: list[int] = []
     chain: list[nn.Module] = []

@@ -19,6 +19,7 @@ from hyper_parallel._extension import _C
 
 from ._apply import STRATEGIES
 from ._profile import ActivationProfile, check_candidates, profile_activation_memory
+from ._swap_manager import SwapManager
 
 _MiB = 1 << 20
 
@@ -50,9 +51,16 @@ class ActivationPlan:
         budget_bytes: the budget it was planned for.
         predicted_peak_bytes / predicted_step_seconds: the plan's predictions.
         none_peak_bytes / none_step_seconds: the predictions for "none".
-        predicted_offload_bytes: bytes copied to the host (and back) per step.
+        predicted_offload_bytes: bytes copied to the host (and back) per step; also
+            the predicted host peak (all of them are on the host when the forward ends).
         predicted_stall_seconds: time the step waits for copies.
         rows: one :class:`PlanRow` per layer, forward order.
+        prefetch_depth: the engine's prefetch depth the plan was solved for;
+            :func:`apply_activation_memory` sets ``SwapManager().set_prefetch_depth`` to it.
+        host_budget_bytes: the host budget it was planned for (``None``: unbounded).
+        exact: whether the optimizer's exact search found it (``False``: its fronts grew
+            too large, copies saturating the link over many layers, and the heuristic
+            fallback of ``Planner.h`` did; the plan still meets the budgets).
     """
 
     strategies: dict[str, str]
@@ -64,6 +72,9 @@ class ActivationPlan:
     predicted_offload_bytes: int = 0
     predicted_stall_seconds: float = 0.0
     rows: list[PlanRow] = field(default_factory=list)
+    prefetch_depth: int = 1
+    host_budget_bytes: int | None = None
+    exact: bool = True
 
     def explain(self) -> str:
         """A table: per layer, the choice, saved / offloaded / recomputed bytes, the time
@@ -83,7 +94,11 @@ class ActivationPlan:
             f"step {self.predicted_step_seconds * 1e3:.1f} ms ({ratio:.3f}x none's "
             f"{self.none_step_seconds * 1e3:.1f} ms), of which copy stalls "
             f"{self.predicted_stall_seconds * 1e3:.1f} ms; "
-            f"{_fmt_bytes(self.predicted_offload_bytes)} to the host per step")
+            f"{_fmt_bytes(self.predicted_offload_bytes)} to the host per step"
+            + (f" (host budget {_fmt_bytes(self.host_budget_bytes)})"
+               if self.host_budget_bytes is not None else "")
+            + f"; solved for prefetch depth {self.prefetch_depth}"
+            + ("" if self.exact else " (heuristic search: the exact one grew too large)"))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -108,6 +123,10 @@ class ActivationPlan:
         bad = {s for s in plan.strategies.values() if s not in STRATEGIES or s == "mixed"}
         if bad:
             raise ValueError(f"hyper_parallel: the plan names unknown strategies {sorted(bad)}")
+        if isinstance(plan.prefetch_depth, bool) or not isinstance(plan.prefetch_depth, int) \
+                or plan.prefetch_depth < 0:
+            raise ValueError(f"hyper_parallel: the plan's prefetch_depth must be an int >= 0, "
+                             f"got {plan.prefetch_depth!r}")
         return plan
 
 
@@ -116,21 +135,35 @@ class InfeasibleBudgetError(ValueError):
 
     Attributes:
         budget_bytes: the budget asked for.
-        min_peak_bytes: the smallest predicted peak some plan reaches.
-        plan: the fastest plan at that peak (an :class:`ActivationPlan`).
+        min_peak_bytes: the smallest predicted peak some plan reaches (within the host
+            budget, if one was given); ``None`` when no plan meets the host budget.
+        plan: the fastest plan at that peak (an :class:`ActivationPlan`), or ``None``.
+        host_budget_bytes: the host budget asked for (``None``: unbounded).
     """
 
-    def __init__(self, message: str, budget_bytes: int, min_peak_bytes: int,
-                 plan: ActivationPlan) -> None:
+    def __init__(self, message: str, budget_bytes: int, min_peak_bytes: int | None,
+                 plan: ActivationPlan | None, host_budget_bytes: int | None = None) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.min_peak_bytes = min_peak_bytes
         self.plan = plan
+        self.host_budget_bytes = host_budget_bytes
 
 
 # ------------------------------------------------------------------------ cost model
-def _cpp_profile(profile: ActivationProfile):
+def _depth(prefetch_depth: int | None) -> int:
+    if prefetch_depth is None:
+        return SwapManager().get_prefetch_depth()
+    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) \
+            or prefetch_depth < 0:
+        raise ValueError(f"hyper_parallel: prefetch_depth must be an int >= 0 (layers reloaded "
+                         f"ahead), got {prefetch_depth!r}")
+    return prefetch_depth
+
+
+def _cpp_profile(profile: ActivationProfile, prefetch_depth: int = 1):
     p = _C.PlannerProfile()
+    p.prefetch_depth = int(prefetch_depth)
     p.options = list(profile.strategies)
     p.layers = [[_C.PlannerOptionCost(c.kept_bytes, c.offload_bytes, c.forward_seconds,
                                       c.backward_seconds)
@@ -145,10 +178,12 @@ def _cpp_profile(profile: ActivationProfile):
     return p
 
 
-def predict(profile: ActivationProfile, strategies: Sequence[str] | dict) -> dict:
+def predict(profile: ActivationProfile, strategies: Sequence[str] | dict, *,
+            prefetch_depth: int | None = None) -> dict:
     """The cost model's prediction for a plan (one strategy per layer, or a dict from layer
-    name to strategy; unlisted layers "none"): ``peak_bytes``, ``step_seconds``,
-    ``stall_seconds``, ``offload_bytes``, ``host_peak_bytes``."""
+    name to strategy; unlisted layers "none") at ``prefetch_depth`` (default: the
+    engine's current depth): ``peak_bytes``, ``step_seconds``, ``stall_seconds``,
+    ``offload_bytes``, ``host_peak_bytes``."""
     if isinstance(strategies, dict):
         strategies = [strategies.get(n, "none") for n in profile.layer_names]
     index = {s: i for i, s in enumerate(profile.strategies)}
@@ -156,13 +191,14 @@ def predict(profile: ActivationProfile, strategies: Sequence[str] | dict) -> dic
     if missing:
         raise ValueError(f"hyper_parallel: strategies {missing} were not profiled (profiled: "
                          f"{', '.join(profile.strategies)})")
-    return dict(_C.planner_evaluate(_cpp_profile(profile), [index[s] for s in strategies]))
+    return dict(_C.planner_evaluate(_cpp_profile(profile, _depth(prefetch_depth)),
+                                    [index[s] for s in strategies]))
 
 
 def _plan(profile: ActivationProfile, assignment: list[int], prediction: dict,
-          budget: int) -> ActivationPlan:
+          budget: int, depth: int, host_budget: int | None, exact: bool = True) -> ActivationPlan:
     names = [profile.strategies[i] for i in assignment]
-    none = predict(profile, ["none"] * len(names))
+    none = predict(profile, ["none"] * len(names), prefetch_depth=depth)
     n = len(names)
     rows = []
     for k, (layer, s) in enumerate(zip(profile.layer_names, names)):
@@ -185,6 +221,9 @@ def _plan(profile: ActivationProfile, assignment: list[int], prediction: dict,
         predicted_offload_bytes=int(prediction["offload_bytes"]),
         predicted_stall_seconds=float(prediction["stall_seconds"]),
         rows=rows,
+        prefetch_depth=int(depth),
+        host_budget_bytes=None if host_budget is None else int(host_budget),
+        exact=bool(exact),
     )
 
 
@@ -207,16 +246,34 @@ def _why(profile: ActivationProfile, k: int, s: str, kept: int, off: int, added:
 
 def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
                       candidates: Sequence[str] | None = None,
-                      grid: int = 1024) -> ActivationPlan:
+                      prefetch_depth: int | None = None,
+                      host_budget_bytes: int | None = None) -> ActivationPlan:
     """The fastest plan within ``budget_bytes`` from a profile (no model run).
 
+    Args:
+        profile: what :func:`profile_activation_memory` measured.
+        budget_bytes: the largest peak of saved-activation bytes on the device (int).
+        candidates: the strategies to choose from (profiled ones; default: all of them).
+        prefetch_depth: the engine's prefetch depth to plan for (default: the current
+            ``SwapManager().get_prefetch_depth()``); the plan records it.
+        host_budget_bytes: the most bytes the plan's offloads may hold on the host (int;
+            ``None``: unbounded). Predicted host bytes are payload bytes: a
+            :class:`PinnedMemoryPool` rounds blocks up to size classes (at most 25 %
+            more), so leave that headroom below its ``max_host_bytes``.
+
     Raises:
-        InfeasibleBudgetError: when no plan of the candidates meets the budget.
+        InfeasibleBudgetError: when no plan of the candidates meets the budgets.
+        ValueError: for a bad budget, candidate or depth.
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"hyper_parallel: budget_bytes must be a positive int number of bytes, "
                          f"got {budget_bytes!r} (parse_budget turns '300MiB' or a fraction of "
                          "none's peak into bytes)")
+    if host_budget_bytes is not None and (isinstance(host_budget_bytes, bool) or not isinstance(
+            host_budget_bytes, int) or host_budget_bytes < 0):
+        raise ValueError(f"hyper_parallel: host_budget_bytes must be None or an int number of "
+                         f"bytes >= 0, got {host_budget_bytes!r}")
+    depth = _depth(prefetch_depth)
     names = check_candidates(candidates) if candidates is not None else profile.strategies
     unprofiled = [c for c in names if c not in profile.strategies]
     if unprofiled:
@@ -224,20 +281,33 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
                          "them first (candidates= of profile_activation_memory)")
     mask = sum(1 << i for i, s in enumerate(profile.strategies) if s in names)
     allowed = [mask] * len(profile.layer_names)
-    planner = _C.Planner(_cpp_profile(profile), grid)
-    found = planner.solve(int(budget_bytes), allowed)
-    if found is None:
-        low = planner.min_peak(allowed)
-        plan = _plan(profile, low[0], low[1], budget_bytes)
-        choice = ", ".join(f"{k}: {n}" for k, n in _counts(plan).items())
+    host = -1 if host_budget_bytes is None else int(host_budget_bytes)
+    planner = _C.Planner(_cpp_profile(profile, depth))
+    found = planner.solve(int(budget_bytes), allowed, host)
+    if found is not None:
+        return _plan(profile, found[0], found[1], budget_bytes, depth, host_budget_bytes,
+                     found[2]["exact"])
+    host_text = "" if host_budget_bytes is None else \
+        f" and its host bytes within {_fmt_bytes(host_budget_bytes)} ({host_budget_bytes} bytes)"
+    low = planner.min_peak(allowed, host)
+    if low is None:  # only a host budget can make every device budget infeasible
         raise InfeasibleBudgetError(
-            f"hyper_parallel: no plan of the candidates ({', '.join(names)}) keeps the peak of "
-            f"saved activations within {_fmt_bytes(budget_bytes)} ({budget_bytes} bytes); the "
-            f"smallest reachable is {_fmt_bytes(plan.predicted_peak_bytes)} "
-            f"({plan.predicted_peak_bytes} bytes) with {choice} (error.plan). Raise the budget, "
-            "allow more candidates (e.g. checkpoint_swap), or shrink the batch.",
-            int(budget_bytes), plan.predicted_peak_bytes, plan)
-    return _plan(profile, found[0], found[1], budget_bytes)
+            f"hyper_parallel: no plan of the candidates ({', '.join(names)}) keeps its host "
+            f"bytes within {_fmt_bytes(host_budget_bytes)} ({host_budget_bytes} bytes) "
+            "whatever the device budget. Raise host_budget_bytes.",
+            int(budget_bytes), None, None, host_budget_bytes)
+    plan = _plan(profile, low[0], low[1], budget_bytes, depth, host_budget_bytes, low[2]["exact"])
+    choice = ", ".join(f"{k}: {n}" for k, n in _counts(plan).items())
+    raise InfeasibleBudgetError(
+        f"hyper_parallel: no plan of the candidates ({', '.join(names)}) keeps the peak of "
+        f"saved activations within {_fmt_bytes(budget_bytes)} ({budget_bytes} bytes)"
+        f"{host_text} at prefetch depth {depth}; the smallest reachable is "
+        f"{_fmt_bytes(plan.predicted_peak_bytes)} ({plan.predicted_peak_bytes} bytes) with "
+        f"{choice} (error.plan). Raise the budget"
+        + (", raise host_budget_bytes" if host_budget_bytes is not None else "")
+        + ", allow more candidates (e.g. checkpoint_swap), lower the prefetch depth, or "
+        "shrink the batch.",
+        int(budget_bytes), plan.predicted_peak_bytes, plan, host_budget_bytes)
 
 
 def _counts(plan: ActivationPlan) -> dict[str, int]:
@@ -284,7 +354,8 @@ def parse_budget(text: str | int | float, none_peak_bytes: int | None = None) ->
 
 # ------------------------------------------------------------------------ public entry
 def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budget_bytes, *,
-                           layers=None, candidates=None) -> ActivationPlan:
+                           layers=None, candidates=None, host_budget_bytes=None,
+                           prefetch_depth: int | None = None) -> ActivationPlan:
     """Chooses a strategy per layer so that the step's peak of saved activations stays
     within ``budget_bytes`` at the least predicted step time.
 
@@ -292,8 +363,9 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
     and two steps per candidate strategy; see :func:`profile_activation_memory`), then
     solves exactly, in C++, over all per-layer assignments with the cost model of SPEC 3's
     swap schedule (offload of layer k overlaps the following forwards on a FIFO D2H
-    stream; its reload overlaps layer k+1's backward; copies longer than their windows
-    stall; the last layer keeps its bytes). Ties go to less host traffic.
+    stream; its reload is issued when layer k+d's backward begins, d the prefetch depth,
+    and overlaps the backwards after it; copies longer than their windows stall; the last
+    layer keeps its bytes). Ties go to less host traffic.
 
     Args:
         model: the model (``nn.Module``), e.g. a ``transformers`` model.
@@ -308,14 +380,20 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
         candidates: strategies to choose from (default: none, checkpoint, selective,
             swap, selective_swap, checkpoint_swap); "none" is always among them (it is
             the baseline every figure is measured against).
+        host_budget_bytes: the most bytes the plan's offloads may hold on the host at
+            once (an int, a size string as :func:`parse_budget` reads it, or a
+            :class:`PinnedMemoryPool`, whose ``max_host_bytes`` less 20 % for its block
+            size classes is taken); ``None`` (default): unbounded.
+        prefetch_depth: the depth to plan for (default: ``SwapManager()``'s current one);
+            the plan records it and applying the plan sets it.
 
     Returns:
         An :class:`ActivationPlan`; ``apply_activation_memory(model, plan)`` applies it,
         ``print(plan.explain())`` shows it.
 
     Raises:
-        InfeasibleBudgetError (a ValueError): when no plan meets the budget; it gives the
-            smallest reachable peak and its plan.
+        InfeasibleBudgetError (a ValueError): when no plan meets the budgets; it gives
+            the smallest reachable peak and its plan, and names the host budget.
         ValueError / TypeError: for a bad budget, candidate or model.
 
     Distributed: under ``torch.distributed`` every rank profiles, the figures become the
@@ -326,20 +404,42 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
     profile = profile_activation_memory(model, step_fn, layers=layers, candidates=candidates)
     budget = parse_budget(budget_bytes, profile.none_peak_bytes) \
         if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) else budget_bytes
+    host = _host_budget(host_budget_bytes)
+    depth = _depth(prefetch_depth)
     import torch.distributed as dist
 
+    def solve() -> ActivationPlan:
+        return plan_from_profile(profile, budget, prefetch_depth=depth, host_budget_bytes=host)
+
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return plan_from_profile(profile, budget)
+        return solve()
     box: list = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = ("plan", plan_from_profile(profile, budget).to_json())
+            box[0] = ("plan", solve().to_json())
         except InfeasibleBudgetError as err:
             box[0] = ("infeasible", (str(err), err.budget_bytes, err.min_peak_bytes,
-                                     err.plan.to_json()))
+                                     err.plan.to_json() if err.plan else None, host))
     dist.broadcast_object_list(box, src=0)
     kind, payload = box[0]
     if kind == "plan":
         return ActivationPlan.from_json(payload)
-    message, asked, low, plan = payload
-    raise InfeasibleBudgetError(message, asked, low, ActivationPlan.from_json(plan))
+    message, asked, low, plan, host = payload
+    raise InfeasibleBudgetError(message, asked, low,
+                                ActivationPlan.from_json(plan) if plan else None, host)
+
+
+def _host_budget(value) -> int | None:
+    """host_budget_bytes= of plan_activation_memory in bytes (None: unbounded)."""
+    from ._host_pool import PinnedMemoryPool
+
+    if value is None:
+        return None
+    if isinstance(value, PinnedMemoryPool):
+        # Blocks are rounded up to size classes (four per power of two: at most 25 %).
+        return int(value.max_host_bytes * 0.8)
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"hyper_parallel: host_budget_bytes must be >= 0, got {value}")
+        return value
+    return parse_budget(value)

@@ -126,11 +126,14 @@ class ActivationProfile:
 
     # ------------------------------------------------------------------ planning
     def plan(self, budget_bytes: int, *, candidates: Sequence[str] | None = None,
-             grid: int = 1024):
-        """The fastest plan within ``budget_bytes`` (see :func:`plan_activation_memory`)."""
+             prefetch_depth: int | None = None, host_budget_bytes: int | None = None):
+        """The fastest plan within ``budget_bytes`` (see :func:`plan_activation_memory`
+        and :func:`plan_from_profile`)."""
         from ._planner import plan_from_profile
 
-        return plan_from_profile(self, budget_bytes, candidates=candidates, grid=grid)
+        return plan_from_profile(self, budget_bytes, candidates=candidates,
+                                 prefetch_depth=prefetch_depth,
+                                 host_budget_bytes=host_budget_bytes)
 
     def to_dict(self) -> dict:
         return asdict(self)

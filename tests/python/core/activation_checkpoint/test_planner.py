@@ -5,6 +5,7 @@ here: the Python plan object, the infeasible-budget error, JSON, and that an app
 meets its budget as the library's meter measures it and trains like "none".
 """
 
+import itertools
 import json
 
 import pytest
@@ -165,3 +166,74 @@ def test_bad_candidates():
     model, x = _setup(layers=2)
     with pytest.raises(ValueError, match="hyper_parallel: candidate 'mixed'"):
         profile_activation_memory(model, lambda: model(x).backward(), candidates=["mixed"])
+
+
+def test_host_budget_limits_swap(profiled):
+    model, x, prof = profiled
+    names = ["none", "checkpoint", "swap"]
+    budget = int(0.6 * prof.none_peak_bytes)
+    swap_all = predict(prof, ["swap"] * 4)["host_peak_bytes"]
+    cap = swap_all // 2
+    plan = prof.plan(budget, candidates=names, host_budget_bytes=cap)
+    assert plan.host_budget_bytes == cap and plan.predicted_offload_bytes <= cap
+    assert "host budget" in plan.explain()
+    # The optimum over all 81 assignments that meet both budgets (cost model).
+    best = min((p["step_seconds"], a) for a in itertools.product(names, repeat=4)
+               for p in [predict(prof, list(a))]
+               if p["peak_bytes"] <= budget and p["host_peak_bytes"] <= cap)
+    assert plan.predicted_step_seconds == pytest.approx(best[0], rel=1e-9, abs=1e-12)
+    # Applied, the engine offloads what was predicted: within the host budget.
+    SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)
+    apply_activation_memory(model, plan)
+    try:
+        SwapManager().reset_stats()
+        measured = _measure(model, x)
+        assert SwapManager().stats()["offload_bytes"] <= cap
+        assert measured <= budget
+    finally:
+        remove_activation_memory(model)
+        for p in model.parameters():
+            p.grad = None
+
+
+def test_host_budget_infeasible_names_it(profiled):
+    _, _, prof = profiled
+    budget = int(0.8 * prof.none_peak_bytes)
+    assert "swap" in prof.plan(budget, candidates=["none", "swap"]).strategies.values()
+    with pytest.raises(InfeasibleBudgetError, match="host bytes within 0.00 MiB") as err:
+        prof.plan(budget, candidates=["none", "swap"], host_budget_bytes=0)
+    assert err.value.host_budget_bytes == 0
+    assert err.value.plan.predicted_offload_bytes == 0
+    with pytest.raises(ValueError, match="host_budget_bytes"):
+        prof.plan(budget, host_budget_bytes=-1)
+
+
+def test_prefetch_depth_is_planned_recorded_and_applied(profiled):
+    model, x, prof = profiled
+    manager = SwapManager()
+    assert manager.get_prefetch_depth() == 1
+    # Deeper prefetch holds more reloads at each backward start: a higher peak.
+    swaps = ["swap"] * 4
+    one = predict(prof, swaps, prefetch_depth=1)
+    deep = predict(prof, swaps, prefetch_depth=3)
+    assert deep["peak_bytes"] > one["peak_bytes"]
+    assert deep["step_seconds"] <= one["step_seconds"]
+    budget = int(0.6 * prof.none_peak_bytes)
+    manager.set_prefetch_depth(2)
+    try:
+        plan = prof.plan(budget)
+        assert plan.prefetch_depth == 2
+        assert "prefetch depth 2" in plan.explain()
+        assert ActivationPlan.from_json(plan.to_json()).prefetch_depth == 2
+        manager.set_prefetch_depth(1)
+        manager.set_cpu_swap(True, delay_ns_per_byte=0.0)
+        apply_activation_memory(model, plan)
+        assert manager.get_prefetch_depth() == 2
+        measured = _measure(model, x)
+        assert measured <= budget, plan.explain()
+    finally:
+        remove_activation_memory(model)
+        manager.set_prefetch_depth(1)
+        for p in model.parameters():
+            p.grad = None
+    assert prof.plan(budget, prefetch_depth=0).prefetch_depth == 0
