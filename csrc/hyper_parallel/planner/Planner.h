@@ -30,10 +30,12 @@
 // non-decreasing and 1-Lipschitz (the backlog only passes through max(0, b - x) + y and is
 // finally added to the time). Labels are swept in increasing kept bytes per (classes,
 // phase), each checked against the front of those before it. A backlog that the work
-// before the first reload surely drains, whatever the later layers choose, is set to 0
-// (exact). So the search is exact for the cost model, at every depth d <= 1 and every
-// budget (no byte grid: the brute-force GoogleTest checks it), and a larger budget never
-// gives a slower plan (the feasible set only grows).
+// before the first reload surely drains, whatever the later layers choose, is set to 0;
+// two backlogs both at least the most work left (every later max(0, .) passes them
+// through) compare by objective + backlog alone (both exact). So the search is exact for
+// the cost model, at every depth d <= 1 and every budget (no byte grid: the brute-force
+// GoogleTest checks it), and a larger budget never gives a slower plan (the feasible set
+// only grows), unless solve() falls back (below).
 //
 // Depth d >= 2: the memory constraints are exact (the d classes), the time minimised is
 // the depth-1 time of the assignment, an upper bound of its depth-d time (a reload issued
@@ -47,10 +49,10 @@
 // With byte_quantum > 1 the kept and host bytes of a label are rounded up to multiples of
 // it after each layer (a sound over-estimate: a plan returned always meets its budgets;
 // one whose peak lies within (layers + depth + 2) quanta of the budget may be missed),
-// which bounds the number of labels per (classes, phase) by the number of quanta.
+// which bounds the distinct kept values per (classes, phase) by the number of quanta.
 //
-// Cost: O(layers * labels * options), labels the size of the Pareto fronts;
-// statistics() reports them (PlannerTest bounds them).
+// Cost: O(layers * labels * options * front), labels the size of the Pareto fronts;
+// PlanResult::stats reports them (PlannerTest bounds them).
 //
 // Thread-safety: a Planner is immutable after construction; solve() may run concurrently.
 
