@@ -129,6 +129,13 @@ def main(argv: list[str] | None = None, console=None) -> list[dict]:
         names = parse_strategies(args.strategies)
     except ValueError as err:
         raise SystemExit(str(err)) from None
+    if AUTO in names:  # checked before anything is built or profiled
+        from hyper_parallel.core.activation_checkpoint import parse_budget
+
+        try:
+            parse_budget(args.budget, none_peak_bytes=1)
+        except ValueError as err:
+            raise SystemExit(f"{err} (--budget)") from None
     # torch and transformers take seconds to import: only once the arguments are good.
     import torch
     from rich.console import Console

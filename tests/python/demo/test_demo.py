@@ -154,6 +154,10 @@ def test_bad_arguments_are_refused():
         main(["--strategies", "none,bogus"], console=Console(file=io.StringIO()))
     with pytest.raises(SystemExit, match="hyper_parallel: --steps"):
         main(["--steps", "1"], console=Console(file=io.StringIO()))
+    out = io.StringIO()
+    with pytest.raises(SystemExit, match="hyper_parallel: budget 'lots'.*--budget"):
+        main(["--strategies", "auto", "--budget", "lots"], console=Console(file=out))
+    assert "profil" not in out.getvalue()  # refused before anything ran
 
 
 def test_module_entry_point_help():

@@ -9,6 +9,7 @@ exact dynamic program) and returns an :class:`ActivationPlan`, which
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -323,33 +324,46 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_budget(text: str | int | float, none_peak_bytes: int | None = None) -> int:
-    """Bytes from ``"300MiB"``, ``"2GB"``, ``"123456"`` or a fraction of "none"'s peak
-    (``"0.4"`` or ``0.4``: a number in (0, 1], which needs ``none_peak_bytes``).
+    """Bytes from ``"300MiB"``, ``"2GB"``, ``"123456"``, ``"1.5e9"`` or a fraction of
+    "none"'s peak (``"0.4"`` or ``0.4``: a number in (0, 1] written with a point or an
+    exponent, which needs ``none_peak_bytes``). A float above 1 is bytes and must be a
+    whole number.
 
     Raises:
-        ValueError: for anything else.
+        ValueError: for anything else: not a number or size, NaN or infinite, zero or
+            negative, a fraction of bytes, more than 2**63 - 1 bytes.
     """
-    if isinstance(text, bool):
-        raise ValueError(f"hyper_parallel: budget {text!r} is not a size")
+    if isinstance(text, bool) or not isinstance(text, (int, float, str)):
+        raise ValueError(f"hyper_parallel: budget {text!r} is not a size; pass bytes (an "
+                         "int), a size string (300MiB, 2GB) or a fraction of none's peak (0.4)")
     if isinstance(text, int):
         value, unit, fraction = float(text), "", False
     elif isinstance(text, float):
         value, unit, fraction = text, "", 0 < text <= 1
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"hyper_parallel: budget {text!r} is neither a fraction of none's "
                              "peak (e.g. 0.4) nor a size (e.g. 300MiB, 2GB, 123456)")
         value, unit = float(m.group(1)), m.group(2).lower()
-        fraction = unit == "" and 0 < value <= 1 and "." in m.group(1)
+        fraction = unit == "" and 0 < value <= 1 and any(c in m.group(1) for c in ".eE")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"hyper_parallel: budget {text!r} must be a positive, finite size")
     if fraction:
         if none_peak_bytes is None:
             raise ValueError("hyper_parallel: a fractional budget needs none's measured peak")
         return max(1, int(value * none_peak_bytes))
-    nbytes = int(value * _UNITS[unit])
-    if nbytes <= 0:
-        raise ValueError(f"hyper_parallel: budget {text!r} must be positive")
-    return nbytes
+    nbytes = value * _UNITS[unit]
+    if unit == "" and isinstance(text, float) and not value.is_integer():
+        raise ValueError(f"hyper_parallel: budget {text!r} is neither a fraction of none's "
+                         "peak (a number in (0, 1]) nor a whole number of bytes")
+    if nbytes < 1 or nbytes > _MAX_BYTES:
+        raise ValueError(f"hyper_parallel: budget {text!r} must be between 1 byte and "
+                         f"{_MAX_BYTES} bytes")
+    return int(text) if isinstance(text, int) else int(nbytes)
+
+
+_MAX_BYTES = 2**63 - 1
 
 
 # ------------------------------------------------------------------------ public entry
@@ -401,11 +415,12 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
     rank applies the same plan (a plan that differed per rank would deadlock the
     collectives inside recomputed layers). Call it on every rank.
     """
-    profile = profile_activation_memory(model, step_fn, layers=layers, candidates=candidates)
-    budget = parse_budget(budget_bytes, profile.none_peak_bytes) \
-        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) else budget_bytes
+    # Arguments are checked before profiling (which runs the real step several times).
+    parse_budget(budget_bytes, none_peak_bytes=1)
     host = _host_budget(host_budget_bytes)
     depth = _depth(prefetch_depth)
+    profile = profile_activation_memory(model, step_fn, layers=layers, candidates=candidates)
+    budget = parse_budget(budget_bytes, profile.none_peak_bytes)
     import torch.distributed as dist
 
     def solve() -> ActivationPlan:
@@ -439,7 +454,8 @@ def _host_budget(value) -> int | None:
         # Blocks are rounded up to size classes (four per power of two: at most 25 %).
         return int(value.max_host_bytes * 0.8)
     if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError(f"hyper_parallel: host_budget_bytes must be >= 0, got {value}")
+        if not 0 <= value <= _MAX_BYTES:
+            raise ValueError(f"hyper_parallel: host_budget_bytes must be between 0 and "
+                             f"{_MAX_BYTES} bytes, got {value}")
         return value
     return parse_budget(value)

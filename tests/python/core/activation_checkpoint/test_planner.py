@@ -155,11 +155,31 @@ def test_parse_budget():
     assert parse_budget("2GB") == 2 * 10**9
     assert parse_budget("0.4", 1000) == 400
     assert parse_budget(12345) == 12345
-    for bad in ("lots", "-3MiB", "3 parsecs", True):
+    assert parse_budget("1e-3", 1000) == 1  # an exponent makes a fraction too
+    assert parse_budget("2e+3MiB") == 2000 << 20
+    assert parse_budget(3e8) == 300_000_000  # a whole float is bytes
+    for bad in ("lots", "-3MiB", "3 parsecs", True, None, float("nan"), float("inf"), 1.5,
+                0, -3, 10**30, "0", "1e30TiB"):
         with pytest.raises(ValueError, match="hyper_parallel:"):
-            parse_budget(bad)
+            parse_budget(bad, 1000)
     with pytest.raises(ValueError, match="needs none's measured peak"):
         parse_budget("0.4")
+
+
+def test_bad_budget_is_refused_before_profiling():
+    model, x = _setup(layers=2)
+    steps = []
+
+    def step():
+        steps.append(1)
+        model(x).sum().backward()
+
+    for bad in ("abc", float("nan"), 10**30, 1.5):
+        with pytest.raises(ValueError, match="hyper_parallel: budget"):
+            plan_activation_memory(model, step, bad)
+    with pytest.raises(ValueError, match="host_budget_bytes"):
+        plan_activation_memory(model, step, "1MiB", host_budget_bytes=10**30)
+    assert steps == []  # the step never ran
 
 
 def test_bad_candidates():
