@@ -65,7 +65,7 @@ void copy_bytes(void* dst, const void* src, size_t n) {
 // One FIFO worker thread: the "stream" of one copy direction.
 class ThreadCopyEngine::Worker {
  public:
-  Worker() : thread_([this] { run(); }) {}
+  explicit Worker(std::atomic<int64_t>* wakeups) : wakeups_(wakeups), thread_([this] { run(); }) {}
   ~Worker() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -85,7 +85,10 @@ class ThreadCopyEngine::Worker {
       wake = sleeping_;
       sleeping_ = false;
     }
-    if (wake) cv_.notify_one();
+    if (wake) {
+      wakeups_->fetch_add(1, std::memory_order_relaxed);
+      cv_.notify_one();
+    }
   }
   void drain() {
     std::unique_lock<std::mutex> lock(mu_);
@@ -129,13 +132,14 @@ class ThreadCopyEngine::Worker {
   bool busy_ = false;
   bool sleeping_ = false;
   int drainers_ = 0;
+  std::atomic<int64_t>* wakeups_;  // the engine's counter (outlives the worker)
   std::thread thread_;
 };
 
 ThreadCopyEngine::ThreadCopyEngine(double delay_ns_per_byte)
     : delay_ns_per_byte_(delay_ns_per_byte) {
-  workers_[0] = std::make_unique<Worker>();
-  workers_[1] = std::make_unique<Worker>();
+  workers_[0] = std::make_unique<Worker>(&wakeups_);
+  workers_[1] = std::make_unique<Worker>(&wakeups_);
 }
 
 ThreadCopyEngine::~ThreadCopyEngine() = default;

@@ -40,9 +40,13 @@ class ThreadCopyEngine final : public CopyEngine {
   double delay_ns_per_byte() const { return delay_ns_per_byte_.load(); }
   // Blocks until both workers are idle.
   void drain();
+  // How many times a post() woke a sleeping worker (both directions; issue 17: at most one
+  // per release or prefetch point, none when nothing was queued).
+  int64_t wakeups() const { return wakeups_.load(); }
 
  private:
   class Worker;
+  std::atomic<int64_t> wakeups_{0};  // declared before the workers, which point at it
   std::unique_ptr<Worker> workers_[2];
   std::atomic<double> delay_ns_per_byte_;
   std::atomic<int64_t> transfers_{0};
