@@ -497,6 +497,7 @@ void bind_swap(py::module_& m) {
     d["release_points"] = s.release_points;
     d["prefetch_points"] = s.prefetch_points;
     d["worker_wakeups"] = s.worker_wakeups;
+    d["inline_copies"] = s.inline_copies;
     d["live_records"] = s.live_records;
     py::dict skipped;  // reason -> {"count": storages, "bytes": bytes}; every reason listed
     for (size_t i = 0; i < kNumSkipReasons; ++i) {

@@ -146,7 +146,7 @@ void SwapEngine::child_after_fork() {
   // The workers' threads were not copied into the child: joining them would hang, so the
   // old engine is abandoned (its queues are empty) and a new one starts on first use.
   (void)thread_engine_.release();
-  wakeups_base_ = 0;
+  wakeups_base_ = inline_base_ = 0;
   mu_.unlock();
 }
 
@@ -988,7 +988,10 @@ SwapStats SwapEngine::stats() {
     s.host_reuses += ps.reuses;
   }
   s.live_records = static_cast<int64_t>(registry_.live_records());
-  if (thread_engine_) s.worker_wakeups = thread_engine_->wakeups() - wakeups_base_;
+  if (thread_engine_) {
+    s.worker_wakeups = thread_engine_->wakeups() - wakeups_base_;
+    s.inline_copies = thread_engine_->inline_copies() - inline_base_;
+  }
   return s;
 }
 
@@ -996,6 +999,7 @@ void SwapEngine::reset(bool schedule) {
   counters_->reset();
   std::lock_guard<std::mutex> lock(mu_);
   wakeups_base_ = thread_engine_ ? thread_engine_->wakeups() : 0;
+  inline_base_ = thread_engine_ ? thread_engine_->inline_copies() : 0;
   if (schedule) {
     deferred_.clear();
     pending_offloads_.clear();

@@ -232,6 +232,7 @@ class SwapEngine {
   int64_t next_group_id_ = 0;
   std::unique_ptr<ThreadCopyEngine> thread_engine_;
   int64_t wakeups_base_ = 0;  // thread_engine_->wakeups() at the last reset (stats)
+  int64_t inline_base_ = 0;   // thread_engine_->inline_copies() at the last reset
   std::unique_ptr<AcceleratorCopyEngine> accel_engine_;
   std::shared_ptr<HostBufferPool> pageable_pool_;
   std::shared_ptr<HostBufferPool> pinned_pool_;

@@ -85,7 +85,7 @@ struct SwapStats {
   int64_t host_allocations = 0, host_reuses = 0;
   int64_t fused_copies = 0, transfers = 0, on_demand_reloads = 0, deferred_frees = 0;
   // Release / prefetch points, and the copy workers' wake-ups (CPU backend) since reset.
-  int64_t release_points = 0, prefetch_points = 0, worker_wakeups = 0;
+  int64_t release_points = 0, prefetch_points = 0, worker_wakeups = 0, inline_copies = 0;
   double stall_seconds = 0.0;
   int64_t live_records = 0;
   std::array<int64_t, kNumSkipReasons> skipped_bytes{}, skipped_count{};

@@ -151,3 +151,21 @@ def test_nothing_queued_wakes_no_worker(host_swap):
     assert s1["release_points"] - s0["release_points"] == 12
     assert s1["worker_wakeups"] == s0["worker_wakeups"]
     assert s1["offload_count"] == s0["offload_count"]
+
+
+def test_small_copies_run_inline_when_the_worker_idles(host_swap):
+    SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)
+    ref_x = torch.randn(256, requires_grad=True)
+    _step([_layer(2) for _ in range(4)], ref_x)
+    layers = _chain(2)
+    x = ref_x.detach().clone().requires_grad_()
+    s0 = SwapManager().stats()
+    _step(layers, x)
+    SwapManager().synchronize()
+    s1 = SwapManager().stats()
+    assert torch.equal(x.grad, ref_x.grad)
+    assert s1["offload_count"] - s0["offload_count"] == 6
+    assert s1["reload_count"] - s0["reload_count"] == 6
+    # Offload, release and reload batches of 1 KiB tensors: nothing ever waited in a queue.
+    assert s1["inline_copies"] - s0["inline_copies"] >= 6
+    assert s1["worker_wakeups"] == s0["worker_wakeups"]
