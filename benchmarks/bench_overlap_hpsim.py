@@ -108,7 +108,8 @@ def run(args) -> None:
 
         dev = hpsim.load()
         configure = hpsim.configure
-        torch.manual_seed(0)
+        sync = lambda: torch.hpsim.synchronize(0)  # noqa: E731
+    torch.manual_seed(0)
     from hyper_parallel._extension import _C
 
     plain = nn.Sequential(*[Mlp(args.hidden) for _ in range(args.layers)]).to(dev)
