@@ -13,6 +13,16 @@
 #include "hyper_parallel/activation/SwapEngine.h"
 #include "hyper_parallel/common/Macros.h"
 
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/node.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <atomic>
+#include <mutex>
+#include <type_traits>
+#include <utility>
+#include <unordered_set>
+
 namespace py = pybind11;
 
 namespace hyper_parallel::bindings {
@@ -39,14 +49,35 @@ const HookStack& hook_stack() {
   return *stack;
 }
 
+// Stale hooks appear only when a region is left without its exit (its token dropped while
+// open) or when reset() starts a new engine generation. Both bump this epoch; a thread
+// scans its hook stack on region entry only when the epoch moved since its last scan, so
+// a region in steady state makes no call into autograd's hook stack on entry (issue 17).
+std::atomic<uint64_t> g_stale_epoch{0};
+// Epoch at this thread's last scan that left its hook stack empty (~0: never).
+thread_local uint64_t t_scanned_epoch = ~uint64_t{0};
+
+uint64_t stale_epoch() { return g_stale_epoch.load() + SwapEngine::generation(); }
+
+// Scans of the hook stack made by region entries and exits (tests: none in steady state).
+std::atomic<int64_t> g_hook_scans{0};
+
 // Pops the hooks of regions that were left without their exit, while they are on top of
 // this thread's stack. Returns how many were popped.
+// When the scan empties the stack, no stale hook can be left below: the thread is clean
+// until the epoch moves again. (A scan that stops at a live hook may leave stale ones
+// under it, so the next entry or exit scans again.)
 int pop_stale_hooks() {
+  g_hook_scans.fetch_add(1, std::memory_order_relaxed);
+  const uint64_t epoch = stale_epoch();
   const HookStack& hs = hook_stack();
   int popped = 0;
   for (;;) {
     py::object top = hs.top(false);
-    if (top.is_none()) break;
+    if (top.is_none()) {
+      t_scanned_epoch = epoch;
+      break;
+    }
     py::tuple pair = top.cast<py::tuple>();
     if (!is_stale_pack_hook(pair[0])) break;
     hs.pop();
@@ -65,6 +96,7 @@ class RegionToken {
     // Dropped while open: the region's exit never ran (see the file comment).
     if (state_->open) {
       state_->open = false;
+      if (pushed_) g_stale_epoch.fetch_add(1);
       if (!joined_ && group_) SwapEngine::global().abandon_forward(group_);
     }
   }
@@ -76,7 +108,12 @@ class RegionToken {
   bool pushed() const { return pushed_; }
   bool open() const { return state_->open; }
   const std::shared_ptr<RegionState>& state() const { return state_; }
-  void set_pushed() { pushed_ = true; }
+  void set_pushed(py::object hook) {
+    pushed_ = true;
+    hook_ = std::move(hook);
+  }
+  // The pack hook this region pushed (None when it pushed none).
+  const py::object& hook() const { return hook_; }
   void close() { state_->open = false; }
   bool current_generation() const { return state_->generation == SwapEngine::generation(); }
 
@@ -84,6 +121,7 @@ class RegionToken {
   std::shared_ptr<SwapGroup> group_;
   bool joined_;
   bool pushed_ = false;
+  py::object hook_;
   std::shared_ptr<RegionState> state_;
 };
 
@@ -92,7 +130,7 @@ std::shared_ptr<RegionToken> region_enter(int64_t layer, const std::string& name
                                           const py::object& pack_mode, const py::object& policy_fn,
                                           bool push) {
   SwapEngine& engine = SwapEngine::global();
-  pop_stale_hooks();
+  if (t_scanned_epoch != stale_epoch()) pop_stale_hooks();
   std::shared_ptr<RegionToken> token;
   auto outer = (layer < 0 && !manual) ? engine.current_group() : nullptr;
   if (outer && outer->layer() >= 0) {
@@ -109,8 +147,9 @@ std::shared_ptr<RegionToken> region_enter(int64_t layer, const std::string& name
     }
     if (push && !pack_mode.is_none()) {
       const HookStack& hs = hook_stack();
-      hs.push(make_pack_hook(pack_mode.cast<PackMode>(), policy_fn, token->state()), hs.unpack);
-      token->set_pushed();
+      py::object hook = make_pack_hook(pack_mode.cast<PackMode>(), policy_fn, token->state());
+      hs.push(hook, hs.unpack);
+      token->set_pushed(std::move(hook));
     }
   } catch (...) {
     token->close();
@@ -120,20 +159,110 @@ std::shared_ptr<RegionToken> region_enter(int64_t layer, const std::string& name
   return token;
 }
 
-// Returns true when the region was unscheduled and held records (the caller may warn).
+// What region_exit tells its caller (bit flags), so that the Python side of a region in
+// steady state makes no further call: kExitUnscheduled when the region was unscheduled and
+// held records (the caller may warn), kExitDiagnose when its group has something for the
+// diagnostics to look at (a skipped tensor, a forward against the chain).
+constexpr int kExitUnscheduled = 1;
+constexpr int kExitDiagnose = 2;
+
 // Idempotent: a second exit (or the exit of a region reset() made stale) does nothing
 // beyond popping its hook.
-bool region_exit(RegionToken& token, bool ok) {
-  if (!token.open()) return false;
+// Pops the hook `token` pushed when it is on top of this thread's stack (the steady state:
+// one read of the top, one pop); otherwise, or when hooks went stale since this thread's
+// last scan, scans as pop_stale_hooks does (ours is stale now, and so is anything that a
+// region left open above it).
+void pop_own_hook(const RegionToken& token) {
+  const HookStack& hs = hook_stack();
+  if (t_scanned_epoch == stale_epoch()) {
+    py::object top = hs.top(false);
+    if (!top.is_none() && PyTuple_GET_ITEM(top.ptr(), 0) == token.hook().ptr()) {
+      hs.pop();
+      return;
+    }
+  }
+  pop_stale_hooks();
+}
+
+int region_exit(RegionToken& token, bool ok) {
+  if (!token.open()) return 0;
   token.close();
-  if (token.pushed()) pop_stale_hooks();  // ours is stale now, and so is anything left above
-  if (token.joined() || !token.current_generation()) return false;
+  if (token.pushed()) pop_own_hook(token);
+  if (token.joined() || !token.current_generation()) return 0;
   SwapEngine& engine = SwapEngine::global();
   if (!ok) {
     engine.abort_forward(token.group());
-    return false;
+    return 0;
   }
-  return engine.end_forward(token.group());
+  int flags = engine.end_forward(token.group()) ? kExitUnscheduled : 0;
+  const SwapGroup& g = *token.group();
+  if (g.order_reversed || !g.skipped_keys.empty()) flags |= kExitDiagnose;
+  return flags;
+}
+
+// Pre-hook on a region's output nodes (C++, no Python call in backward): starts the
+// prefetch of the invocation once, then lets go of the group, so the group dies with its
+// last saved tensor rather than with the graph. One shared state per region: the first of
+// its output nodes to run fires it. Runs on the autograd thread, without the GIL.
+struct BackwardStartState {
+  std::mutex mu;
+  std::shared_ptr<SwapGroup> group;
+};
+
+class BackwardStartHook final : public torch::autograd::FunctionPreHook {
+ public:
+  explicit BackwardStartHook(std::shared_ptr<BackwardStartState> state) : state_(std::move(state)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    std::shared_ptr<SwapGroup> group;
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      group = std::move(state_->group);
+      state_->group.reset();
+    }
+    if (group) SwapEngine::global().backward_begin(group);
+    return grads;
+  }
+
+ private:
+  std::shared_ptr<BackwardStartState> state_;
+};
+
+std::atomic<int64_t> g_backward_hooks{0};  // nodes given a BackwardStartHook (tests)
+
+// Tensor::grad_fn()'s pointer type (std::shared_ptr up to torch 2.12, c10::intrusive_ptr
+// since).
+using NodePtr = std::decay_t<decltype(std::declval<const at::Tensor&>().grad_fn())>;
+
+void add_output_nodes(const py::handle& obj, std::unordered_set<torch::autograd::Node*>& seen,
+                      std::vector<NodePtr>& nodes, int depth) {
+  if (THPVariable_Check(obj.ptr())) {
+    const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+    auto fn = t.grad_fn();
+    if (fn && seen.insert(fn.get()).second) nodes.push_back(std::move(fn));
+    return;
+  }
+  if (depth > 8) return;
+  if (PyTuple_Check(obj.ptr()) || PyList_Check(obj.ptr())) {
+    for (const py::handle item : obj) add_output_nodes(item, seen, nodes, depth + 1);
+  } else if (PyDict_Check(obj.ptr())) {
+    for (const auto item : py::reinterpret_borrow<py::dict>(obj)) {
+      add_output_nodes(item.second, seen, nodes, depth + 1);
+    }
+  }
+}
+
+// Adds one BackwardStartHook per distinct output node of `outputs` (a tensor, or tuples,
+// lists and dicts of them; other leaves are ignored). Returns how many nodes got one.
+int attach_backward(const std::shared_ptr<SwapGroup>& group, const py::handle& outputs) {
+  std::unordered_set<torch::autograd::Node*> seen;
+  std::vector<NodePtr> nodes;
+  add_output_nodes(outputs, seen, nodes, 0);
+  if (nodes.empty()) return 0;
+  auto state = std::make_shared<BackwardStartState>();
+  state->group = group;
+  for (const auto& node : nodes) node->add_pre_hook(std::make_unique<BackwardStartHook>(state));
+  g_backward_hooks.fetch_add(static_cast<int64_t>(nodes.size()), std::memory_order_relaxed);
+  return static_cast<int>(nodes.size());
 }
 
 }  // namespace
@@ -151,9 +280,21 @@ void bind_region(py::module_& m) {
         "Begins (or joins) the group of one layer invocation, excludes `exclude`'s storages and, "
         "with `push`, pushes the engine's saved-tensor hooks, all in one call.");
   m.def("region_exit", &region_exit, py::arg("token"), py::arg("ok"),
-        "Pops the region's hooks and ends (`ok`) or aborts its group, in one call.");
+        "Pops the region's hooks and ends (`ok`) or aborts its group, in one call. Returns bit "
+        "flags: 1 the region was unscheduled and held records, 2 its group has skipped "
+        "tensors or ran against the chain (for the diagnostics).");
   m.def("pop_stale_hooks", &pop_stale_hooks,
         "Pops this thread's saved-tensor hooks of regions that were left without their exit.");
+  m.def("attach_backward", &attach_backward, py::arg("group"), py::arg("outputs"),
+        "Adds a C++ pre-hook to each distinct grad_fn of `outputs` (tensors in nested tuples, "
+        "lists, dicts) that starts `group`'s prefetch once, when the first of them runs. "
+        "Returns the number of nodes hooked.");
+  m.def("region_counters", [] {
+    py::dict d;
+    d["hook_scans"] = g_hook_scans.load();
+    d["backward_hooks"] = g_backward_hooks.load();
+    return d;
+  }, "Hook-stack scans and C++ backward hooks made by regions since import (tests).");
 }
 
 }  // namespace hyper_parallel::bindings

@@ -392,6 +392,14 @@ void bind_swap(py::module_& m) {
                    "(layers reloaded ahead), got ", d);
     engine().set_prefetch_depth(static_cast<int>(d));
   }, py::arg("depth"));
+  m.def("set_offload_window", [](int64_t n) {
+    HP_CHECK_VALUE(n >= 0 && n <= 1 << 20, "offload window must be an int in [0, 2**20] "
+                   "(invocations with offloads in flight; 0: no limit), got ", n);
+    engine().set_offload_window(static_cast<int>(n));
+  }, py::arg("groups"),
+        "How many invocations may have D2H copies in flight; later offloads queue, and those "
+        "still queued when their backward begins stay on device (docs/design.md).");
+  m.def("offload_window", [] { return engine().offload_window(); });
   m.def("set_debug_checks", [](bool on) { engine().set_debug_checks(on); }, py::arg("enabled"),
         "Check every release and every unpack against the release rules (SwapEngine.h).");
   m.def("debug_checks", [] { return engine().debug_checks(); });
@@ -486,6 +494,10 @@ void bind_swap(py::module_& m) {
     d["stall_seconds"] = s.stall_seconds;
     d["on_demand_reloads"] = s.on_demand_reloads;
     d["deferred_frees"] = s.deferred_frees;
+    d["release_points"] = s.release_points;
+    d["prefetch_points"] = s.prefetch_points;
+    d["worker_wakeups"] = s.worker_wakeups;
+    d["inline_copies"] = s.inline_copies;
     d["live_records"] = s.live_records;
     py::dict skipped;  // reason -> {"count": storages, "bytes": bytes}; every reason listed
     for (size_t i = 0; i < kNumSkipReasons; ++i) {

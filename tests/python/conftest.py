@@ -7,20 +7,29 @@ import pytest
 import torch
 
 
+_DEFAULT_OFFLOAD_WINDOW = 2  # SwapEngineOptions::offload_window
+
+
 @pytest.fixture(autouse=True)
 def _clean_swap_engine():
     from hyper_parallel.core.activation_checkpoint import SwapManager
+
+    from hyper_parallel._extension import _C
 
     manager = SwapManager()
     manager.reset()
     manager.set_cpu_swap(False, delay_ns_per_byte=0.0)
     manager.set_prefetch_depth(1)
+    # Every release submits its offload at once, so copy counts do not depend on how fast
+    # the copy workers run on a loaded machine; test_offload_window.py sets the window.
+    _C.set_offload_window(0)
     torch.manual_seed(0)
     yield
     gc.collect()
     manager.synchronize()
     manager.reset()
     manager.set_cpu_swap(False, delay_ns_per_byte=0.0)
+    _C.set_offload_window(_DEFAULT_OFFLOAD_WINDOW)
 
 
 _DEVICE = os.environ.get("HP_TEST_DEVICE", "cpu")

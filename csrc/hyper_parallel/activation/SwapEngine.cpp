@@ -146,6 +146,7 @@ void SwapEngine::child_after_fork() {
   // The workers' threads were not copied into the child: joining them would hang, so the
   // old engine is abandoned (its queues are empty) and a new one starts on first use.
   (void)thread_engine_.release();
+  wakeups_base_ = inline_base_ = 0;
   mu_.unlock();
 }
 
@@ -187,6 +188,18 @@ int64_t SwapEngine::fusion_threshold() const {
   std::lock_guard<std::mutex> lock(mu_);
   return static_cast<int64_t>(options_.fusion_threshold_bytes);
 }
+void SwapEngine::set_offload_window(int groups) {
+  HP_CHECK_VALUE(groups >= 0, "offload window must be >= 0 invocations (0: no limit), got ",
+                 groups);
+  std::lock_guard<std::mutex> lock(mu_);
+  options_.offload_window = groups;
+}
+
+int SwapEngine::offload_window() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return options_.offload_window;
+}
+
 void SwapEngine::set_debug_checks(bool enabled) {
   std::lock_guard<std::mutex> lock(mu_);
   debug_checks_ = enabled;
@@ -282,11 +295,21 @@ bool SwapEngine::end_forward(const std::shared_ptr<SwapGroup>& group) {
     }
   }
   group->forward_done = true;
+  counters_->release_points += 1;
   if (group->trace_forward_start_ns != 0) {
     Trace::global().range("forward", trace_label(*group), group->trace_forward_start_ns,
                           trace_now_ns());
   }
-  if (schedule_.releases_at_forward_end(*group)) release_locked(group);
+  if (schedule_.releases_at_forward_end(*group)) {
+    if (options_.offload_window > 0) {
+      group->released = true;
+      group->offload_pending = true;
+      pending_offloads_[std::this_thread::get_id()].push_back(group);
+    } else {
+      release_locked(group);
+    }
+  }
+  pump_offloads_locked();
   retry_deferred_locked();
   return !group->manual() && !schedule_.scheduled(group->layer()) && !group->records().empty();
 }
@@ -308,6 +331,7 @@ void SwapEngine::abandon_forward(const std::shared_ptr<SwapGroup>& group) {
 void SwapEngine::backward_begin(const std::shared_ptr<SwapGroup>& group) {
   std::lock_guard<std::mutex> lock(mu_);
   if (Trace::global().on()) Trace::global().backward_begin(trace_label(*group));
+  counters_->prefetch_points += 1;
   count_kept_locked(*group);
   for (const auto& g : schedule_.prefetch_targets(group, options_.prefetch_depth)) {
     g->backward_started = true;  // its records stay on device from now on
@@ -430,10 +454,14 @@ void SwapEngine::count_kept_locked(const SwapGroup& group) {
   if (group.manual()) return;  // released only by the user's launch_offload
   const bool last_layer = !group.released && !schedule_.releases_at_forward_end(group);
   if (!group.released && !last_layer) return;
+  // Released, but its offload never left the queue (docs/design.md, "Offload window").
+  const bool link_saturated = group.offload_pending;
   for (const auto& r : group.records()) {
     if (r->state() != Residency::kDevice || r->settled) continue;
     r->settled = true;
-    counters_->add_skipped(last_layer ? SkipReason::kLastLayer : SkipReason::kInUseElsewhere,
+    counters_->add_skipped(last_layer       ? SkipReason::kLastLayer
+                           : link_saturated ? SkipReason::kLinkSaturated
+                                            : SkipReason::kInUseElsewhere,
                            static_cast<int64_t>(r->nbytes()));
   }
 }
@@ -638,6 +666,7 @@ void SwapEngine::offload_batch_locked(const std::vector<std::shared_ptr<StorageR
   }
   const int64_t enqueue_ns = trace_now_ns();
   CopyEventPtr done = engine.submit(CopyDirection::kDeviceToHost, device, plan, {});
+  if (collect_d2h_) collect_d2h_->push_back(done);
   if (Trace::global().on()) {
     const std::string label = trace_label(*records.front());
     const auto n = static_cast<int64_t>(records.size());
@@ -773,6 +802,40 @@ void SwapEngine::load_group_locked(const std::shared_ptr<SwapGroup>& group) {
   for (const auto& kv : by_device) reload_batch_locked(kv.second);
 }
 
+void SwapEngine::pump_offloads_locked() {
+  auto it = pending_offloads_.find(std::this_thread::get_id());
+  if (it == pending_offloads_.end()) return;
+  auto& queue = it->second;
+  while (!queue.empty()) {
+    while (!offloads_in_flight_.empty() &&
+           std::all_of(offloads_in_flight_.front().begin(), offloads_in_flight_.front().end(),
+                       [](const CopyEventPtr& e) { return e->query(); })) {
+      offloads_in_flight_.pop_front();
+    }
+    // Completion is checked oldest first: D2H copies run in submission order on one link.
+    const size_t window = static_cast<size_t>(options_.offload_window);
+    if (window > 0 && offloads_in_flight_.size() >= window) break;
+    std::shared_ptr<SwapGroup> group = queue.front().lock();
+    queue.pop_front();
+    if (!group || !group->offload_pending) continue;
+    // Its backward began while it waited: it stays on device (count_kept_locked counts it
+    // as link_saturated when its own backward begins).
+    if (group->backward_started) continue;
+    group->offload_pending = false;
+    std::vector<CopyEventPtr> submitted;
+    collect_d2h_ = &submitted;
+    try {
+      release_locked(group);
+    } catch (...) {
+      collect_d2h_ = nullptr;
+      throw;
+    }
+    collect_d2h_ = nullptr;
+    if (!submitted.empty()) offloads_in_flight_.push_back(std::move(submitted));
+  }
+  if (queue.empty()) pending_offloads_.erase(it);
+}
+
 void SwapEngine::retry_deferred_locked() {
   auto it = deferred_.find(std::this_thread::get_id());
   if (it == deferred_.end()) return;
@@ -805,6 +868,7 @@ void SwapEngine::check_release_locked(const StorageRecord& record) const {
 void SwapEngine::launch_offload(const std::shared_ptr<SwapGroup>& group) {
   HP_CHECK_VALUE(group, "launch_offload: no such swap group");
   std::lock_guard<std::mutex> lock(mu_);
+  counters_->release_points += 1;
   release_locked(group);
   // From here the group lives as long as the saved tensors that need it: the engine stops
   // pinning it by name, so a manual group per step cannot accumulate.
@@ -854,6 +918,7 @@ void SwapEngine::wait_offload(const std::shared_ptr<SwapGroup>& group) {
 void SwapEngine::launch_load(const std::shared_ptr<SwapGroup>& group) {
   HP_CHECK_VALUE(group, "launch_load: no such swap group");
   std::lock_guard<std::mutex> lock(mu_);
+  counters_->prefetch_points += 1;
   load_group_locked(group);
 }
 
@@ -905,6 +970,8 @@ SwapStats SwapEngine::stats() {
   s.transfers = counters_->transfers.load();
   s.on_demand_reloads = counters_->on_demand_reloads.load();
   s.deferred_frees = counters_->deferred_frees.load();
+  s.release_points = counters_->release_points.load();
+  s.prefetch_points = counters_->prefetch_points.load();
   s.stall_seconds = static_cast<double>(counters_->stall_nanoseconds.load()) * 1e-9;
   for (size_t i = 0; i < kNumSkipReasons; ++i) {
     s.skipped_bytes[i] = counters_->skipped_bytes[i].load();
@@ -921,14 +988,22 @@ SwapStats SwapEngine::stats() {
     s.host_reuses += ps.reuses;
   }
   s.live_records = static_cast<int64_t>(registry_.live_records());
+  if (thread_engine_) {
+    s.worker_wakeups = thread_engine_->wakeups() - wakeups_base_;
+    s.inline_copies = thread_engine_->inline_copies() - inline_base_;
+  }
   return s;
 }
 
 void SwapEngine::reset(bool schedule) {
   counters_->reset();
   std::lock_guard<std::mutex> lock(mu_);
+  wakeups_base_ = thread_engine_ ? thread_engine_->wakeups() : 0;
+  inline_base_ = thread_engine_ ? thread_engine_->inline_copies() : 0;
   if (schedule) {
     deferred_.clear();
+    pending_offloads_.clear();
+    offloads_in_flight_.clear();
     schedule_.clear();
     named_.clear();
     manual_.clear();

@@ -48,6 +48,7 @@
 #include "hyper_parallel/activation/ThreadCopyEngine.h"
 
 #include <atomic>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -62,6 +63,10 @@ struct SwapEngineOptions {
   double cpu_delay_ns_per_byte = 0.0;           // artificial delay of the thread backend
   int prefetch_depth = 1;                       // layers reloaded ahead in backward
   size_t fusion_threshold_bytes = size_t{32} << 20;  // group_swap: bucket limit (32 MiB)
+  // Invocations whose D2H copies may be in flight at once; the offloads of later releases
+  // wait in a queue, and those still waiting when their backward begins stay on device
+  // (docs/design.md, "Offload window"). 0: no limit (every release submits at once).
+  int offload_window = 2;
 };
 
 class SwapEngine {
@@ -82,6 +87,8 @@ class SwapEngine {
   int prefetch_depth() const;
   void set_fusion_threshold(int64_t bytes);  // > 0
   int64_t fusion_threshold() const;
+  void set_offload_window(int groups);  // >= 0; throws c10::ValueError otherwise
+  int offload_window() const;
   void set_debug_checks(bool enabled);
   bool debug_checks() const;
   // Fault injection for the race tests, never for production: with `skip` on, unpack
@@ -187,6 +194,9 @@ class SwapEngine {
   void load_group_locked(const std::shared_ptr<SwapGroup>& group);
   // Retries the releases deferred by this thread's earlier release points.
   void retry_deferred_locked();
+  // Submits the offloads queued by this thread's release points while fewer than
+  // offload_window invocations have D2H copies in flight (docs/design.md, "Offload window").
+  void pump_offloads_locked();
   // Debug checks of a release (see above).
   void check_release_locked(const StorageRecord& record) const;
   bool in_use_elsewhere(const StorageRecord& record, const c10::Storage& storage) const;
@@ -211,10 +221,18 @@ class SwapEngine {
   // Releases postponed because the storage was still referenced, per forward thread: only
   // that thread's later release points retry them (never another thread's forward).
   std::unordered_map<std::thread::id, std::vector<std::weak_ptr<StorageRecord>>> deferred_;
+  // Released invocations whose offload waits for the window, per forward thread, oldest
+  // first (only that thread's release points submit them, as for deferred_).
+  std::unordered_map<std::thread::id, std::deque<std::weak_ptr<SwapGroup>>> pending_offloads_;
+  // D2H events of the invocations submitted through the window that may be in flight.
+  std::deque<std::vector<CopyEventPtr>> offloads_in_flight_;
+  std::vector<CopyEventPtr>* collect_d2h_ = nullptr;  // set while the pump submits a group
   bool debug_checks_ = false;
   std::atomic<bool> skip_reload_wait_{false};
   int64_t next_group_id_ = 0;
   std::unique_ptr<ThreadCopyEngine> thread_engine_;
+  int64_t wakeups_base_ = 0;  // thread_engine_->wakeups() at the last reset (stats)
+  int64_t inline_base_ = 0;   // thread_engine_->inline_copies() at the last reset
   std::unique_ptr<AcceleratorCopyEngine> accel_engine_;
   std::shared_ptr<HostBufferPool> pageable_pool_;
   std::shared_ptr<HostBufferPool> pinned_pool_;

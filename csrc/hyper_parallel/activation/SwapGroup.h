@@ -68,6 +68,9 @@ class SwapGroup {
   bool forward_done = false;
   bool released = false;    // this invocation allows its records to leave the device
   bool load_launched = false;  // a reload of its records was started (launch_load, prefetch)
+  // Released, but its offload waits in its thread's queue for the offload window
+  // (SwapEngine::pump_offloads_locked; docs/design.md, "Offload window").
+  bool offload_pending = false;
   bool aborted = false;     // forward raised
   // The backward of this invocation began (its pre-hook fired, a later layer's backward
   // prefetched it, or autograd unpacked one of its tensors): its records stay on device

@@ -17,6 +17,7 @@ const char* to_string(SkipReason reason) {
     case SkipReason::kKeptByPolicy: return "kept_by_policy";
     case SkipReason::kInUseElsewhere: return "in_use_elsewhere";
     case SkipReason::kLastLayer: return "last_layer";
+    case SkipReason::kLinkSaturated: return "link_saturated";
     case SkipReason::kCount: break;
   }
   return "unknown";

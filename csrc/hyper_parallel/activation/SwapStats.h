@@ -26,6 +26,8 @@ enum class SkipReason : uint8_t {
   kKeptByPolicy,           // the swap policy_fn returned MUST_SAVE
   kInUseElsewhere,         // released, but still referenced outside the engine at backward
   kLastLayer,              // the last layer of a chain keeps its activations (SPEC 3)
+  kLinkSaturated,          // its offload was still waiting for the link when its backward
+                           // began (docs/design.md, "Offload window")
   kCount
 };
 constexpr size_t kNumSkipReasons = static_cast<size_t>(SkipReason::kCount);
@@ -44,6 +46,8 @@ struct SwapStatsCounters {
   std::atomic<int64_t> on_demand_reloads{0};    // reloads started by unpack (schedule hole)
   std::atomic<int64_t> stall_nanoseconds{0};    // host time spent waiting for a reload
   std::atomic<int64_t> deferred_frees{0};       // release attempts postponed: storage in use
+  std::atomic<int64_t> release_points{0};       // end_forward / launch_offload calls
+  std::atomic<int64_t> prefetch_points{0};      // backward_begin / launch_load calls
   std::array<std::atomic<int64_t>, kNumSkipReasons> skipped_bytes{};  // storage bytes
   std::array<std::atomic<int64_t>, kNumSkipReasons> skipped_count{};  // storages
 
@@ -61,7 +65,8 @@ struct SwapStatsCounters {
   void reset() {
     for (auto* c : {&offload_bytes, &offload_count, &reload_bytes, &reload_count, &fused_copies,
                     &transfers,
-                    &on_demand_reloads, &stall_nanoseconds, &deferred_frees}) {
+                    &on_demand_reloads, &stall_nanoseconds, &deferred_frees, &release_points,
+                    &prefetch_points}) {
       c->store(0);
     }
     for (size_t i = 0; i < kNumSkipReasons; ++i) {
@@ -79,6 +84,8 @@ struct SwapStats {
   int64_t pinned_bytes_in_use = 0, pinned_bytes_cached = 0, host_bytes_pending = 0;
   int64_t host_allocations = 0, host_reuses = 0;
   int64_t fused_copies = 0, transfers = 0, on_demand_reloads = 0, deferred_frees = 0;
+  // Release / prefetch points, and the copy workers' wake-ups (CPU backend) since reset.
+  int64_t release_points = 0, prefetch_points = 0, worker_wakeups = 0, inline_copies = 0;
   double stall_seconds = 0.0;
   int64_t live_records = 0;
   std::array<int64_t, kNumSkipReasons> skipped_bytes{}, skipped_count{};

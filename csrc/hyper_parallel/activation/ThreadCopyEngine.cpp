@@ -4,6 +4,7 @@
 
 #include "hyper_parallel/common/Macros.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -65,7 +66,7 @@ void copy_bytes(void* dst, const void* src, size_t n) {
 // One FIFO worker thread: the "stream" of one copy direction.
 class ThreadCopyEngine::Worker {
  public:
-  Worker() : thread_([this] { run(); }) {}
+  explicit Worker(std::atomic<int64_t>* wakeups) : wakeups_(wakeups), thread_([this] { run(); }) {}
   ~Worker() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -77,15 +78,28 @@ class ThreadCopyEngine::Worker {
   // Wakes the worker only if it sleeps, and at most once per sleep: the poster that wakes
   // it clears `sleeping_`, so a release point that posts a copy and then the memory to
   // free after it signals once (issue 17: one wake-up per release point).
-  void post(std::function<void()> task) {
+  //
+  // `may_run_inline`: the task needs no wait and no delay, so when the worker is idle with
+  // nothing queued it runs right here, under the worker's lock (so nothing posted meanwhile
+  // can overtake it): no wake-up, no hand-off, and no wait for it later. Returns whether
+  // it ran inline.
+  bool post(std::function<void()> task, bool may_run_inline = false) {
     bool wake;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (may_run_inline && tasks_.empty() && !busy_) {
+        task();
+        return true;
+      }
       tasks_.push_back(std::move(task));
       wake = sleeping_;
       sleeping_ = false;
     }
-    if (wake) cv_.notify_one();
+    if (wake) {
+      wakeups_->fetch_add(1, std::memory_order_relaxed);
+      cv_.notify_one();
+    }
+    return false;
   }
   void drain() {
     std::unique_lock<std::mutex> lock(mu_);
@@ -129,13 +143,14 @@ class ThreadCopyEngine::Worker {
   bool busy_ = false;
   bool sleeping_ = false;
   int drainers_ = 0;
+  std::atomic<int64_t>* wakeups_;  // the engine's counter (outlives the worker)
   std::thread thread_;
 };
 
 ThreadCopyEngine::ThreadCopyEngine(double delay_ns_per_byte)
     : delay_ns_per_byte_(delay_ns_per_byte) {
-  workers_[0] = std::make_unique<Worker>();
-  workers_[1] = std::make_unique<Worker>();
+  workers_[0] = std::make_unique<Worker>(&wakeups_);
+  workers_[1] = std::make_unique<Worker>(&wakeups_);
 }
 
 ThreadCopyEngine::~ThreadCopyEngine() = default;
@@ -168,9 +183,15 @@ CopyEventPtr ThreadCopyEngine::submit(CopyDirection direction, c10::Device devic
     if (hosts.empty() || !hosts.back().is_same(host)) hosts.push_back(host);
   }
   const size_t total = plan.total_bytes();
-  workers_[static_cast<int>(direction)]->post(
+  const double delay_now = delay_ns_per_byte_.load();
+  // A small batch with nothing to wait for costs less to copy here than to hand to the
+  // worker (a futex wake-up, then the reader's wait): it runs inline when the worker idles.
+  const bool small = total <= kInlineCopyBytes && delay_now == 0.0 &&
+                     std::all_of(after.begin(), after.end(),
+                                 [](const CopyEventPtr& e) { return e->query(); });
+  const bool ran_inline = workers_[static_cast<int>(direction)]->post(
       [hosts = std::move(hosts), keep = std::move(keep), spans = std::move(spans), after, done,
-       to_host, total, delay = delay_ns_per_byte_.load()]() {
+       to_host, total, delay = delay_now]() {
         for (const auto& ev : after) ev->synchronize();
         done->stamp_start();
         // The artificial link delay comes BEFORE the bytes move: a reader that does not
@@ -189,7 +210,9 @@ CopyEventPtr ThreadCopyEngine::submit(CopyDirection direction, c10::Device devic
           else copy_bytes(s.device, s.host, s.n);
         }
         done->set();
-      });
+      },
+      small);
+  if (ran_inline) inline_copies_.fetch_add(1, std::memory_order_relaxed);
   return done;
 }
 
@@ -198,7 +221,9 @@ void ThreadCopyEngine::release_after(CopyDirection direction, c10::Device,
   if (memory.empty()) return;
   // DataPtr is move-only; std::function needs copyable callables, so box the batch.
   auto boxed = std::make_shared<std::vector<at::DataPtr>>(std::move(memory));
-  workers_[static_cast<int>(direction)]->post([boxed]() { boxed->clear(); });
+  // Inline when the worker idles: the copies queued before this release are done then.
+  workers_[static_cast<int>(direction)]->post([boxed]() { boxed->clear(); },
+                                              /*may_run_inline=*/true);
 }
 
 void ThreadCopyEngine::drain() {

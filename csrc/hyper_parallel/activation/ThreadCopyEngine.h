@@ -5,7 +5,10 @@
 // stream. A batch starts only after the events it was given have completed. Device
 // memory handed to release_after() is destroyed by the worker after the batches queued
 // before it, so an in-flight copy never reads freed memory. An optional artificial delay
-// (nanoseconds per byte) widens every race window in tests.
+// (nanoseconds per byte) widens every race window in tests. A batch of at most
+// kInlineCopyBytes with no delay and nothing to wait for runs on the submitting thread when
+// its worker is idle (as save_on_cpu copies inline): waking a worker costs more than such
+// a copy (docs/design.md, "Batching").
 //
 // Thread-safety: all public methods are thread-safe.
 
@@ -22,6 +25,8 @@ namespace hyper_parallel::activation {
 
 class ThreadCopyEngine final : public CopyEngine {
  public:
+  static constexpr size_t kInlineCopyBytes = size_t{64} << 10;  // 64 KiB
+
   explicit ThreadCopyEngine(double delay_ns_per_byte = 0.0);
   ~ThreadCopyEngine() override;
   ThreadCopyEngine(const ThreadCopyEngine&) = delete;
@@ -40,12 +45,19 @@ class ThreadCopyEngine final : public CopyEngine {
   double delay_ns_per_byte() const { return delay_ns_per_byte_.load(); }
   // Blocks until both workers are idle.
   void drain();
+  // How many times a post() woke a sleeping worker (both directions; issue 17: at most one
+  // per release or prefetch point, none when nothing was queued).
+  int64_t wakeups() const { return wakeups_.load(); }
+  // Copy batches that ran inline on the submitting thread.
+  int64_t inline_copies() const { return inline_copies_.load(); }
 
  private:
   class Worker;
+  std::atomic<int64_t> wakeups_{0};  // declared before the workers, which point at it
   std::unique_ptr<Worker> workers_[2];
   std::atomic<double> delay_ns_per_byte_;
   std::atomic<int64_t> transfers_{0};
+  std::atomic<int64_t> inline_copies_{0};
 };
 
 }  // namespace hyper_parallel::activation

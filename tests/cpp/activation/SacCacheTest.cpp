@@ -38,6 +38,7 @@ SwapEngineOptions cpu_options() {
   SwapEngineOptions o;
   o.cpu_swap = true;
   o.cpu_delay_ns_per_byte = 2.0;
+  o.offload_window = 0;  // every release submits at once (deterministic off-device state)
   return o;
 }
 

@@ -20,10 +20,14 @@
 namespace hyper_parallel::activation {
 namespace {
 
-SwapEngineOptions cpu_options(double delay_ns_per_byte = 4.0) {
+// The offload window is off (every release submits at once) so that which storages are
+// off device after a forward does not depend on how fast the workers run; the window's
+// own tests set it.
+SwapEngineOptions cpu_options(double delay_ns_per_byte = 4.0, int offload_window = 0) {
   SwapEngineOptions o;
   o.cpu_swap = true;
   o.cpu_delay_ns_per_byte = delay_ns_per_byte;
+  o.offload_window = offload_window;
   return o;
 }
 
@@ -989,6 +993,39 @@ TEST(SwapEngineTest, KeptOnDeviceIsCountedAtBackwardStart) {
   EXPECT_EQ(skipped_bytes(s, SkipReason::kInUseElsewhere), 100);
   EXPECT_EQ(s.offload_bytes, 32);  // the freed one left and is not counted as kept
   engine.unpack(*hf);
+}
+
+
+TEST(SwapEngineTest, OffloadWindowKeepsTrailingLayersResidentWhenTheLinkFallsBehind) {
+  // 40 KB per layer at 2500 ns/B: 100 ms per offload; the forward below takes microseconds.
+  SwapEngine engine(cpu_options(2500.0, /*offload_window=*/2));
+  auto layers = make_chain(engine, 5);
+  std::vector<std::shared_ptr<SwapGroup>> groups;
+  std::vector<std::shared_ptr<SavedHandle>> handles;
+  std::vector<at::Tensor> expected;
+  for (int64_t layer : layers) {
+    groups.push_back(begin(engine, layer));
+    at::Tensor t = at::randn({10000});
+    expected.push_back(t.clone());
+    handles.push_back(pack(engine, groups.back(), t));
+    t.reset();
+    engine.end_forward(groups.back());
+  }
+  // Layers 0 and 1 fill the window; 2 and 3 wait; 4 is the last layer.
+  EXPECT_TRUE(off_device(*handles[0]));
+  EXPECT_TRUE(off_device(*handles[1]));
+  EXPECT_FALSE(off_device(*handles[2]));
+  EXPECT_FALSE(off_device(*handles[3]));
+  for (int i = 5; i-- > 0;) {
+    engine.backward_begin(groups[i]);
+    EXPECT_TRUE(same(engine.unpack(*handles[i]), expected[i])) << i;
+  }
+  SwapStats s = engine.stats();
+  EXPECT_EQ(s.offload_count, 2);
+  EXPECT_EQ(s.reload_count, 2);
+  EXPECT_EQ(s.skipped_count[static_cast<size_t>(SkipReason::kLinkSaturated)], 2);
+  EXPECT_EQ(s.skipped_count[static_cast<size_t>(SkipReason::kLastLayer)], 1);
+  EXPECT_THROW(engine.set_offload_window(-1), c10::Error);
 }
 
 }  // namespace

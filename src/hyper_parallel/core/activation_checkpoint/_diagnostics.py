@@ -30,6 +30,7 @@ REASONS = {
     "kept_by_policy": "tensors the policy_fn kept on device (MUST_SAVE)",
     "in_use_elsewhere": "storages still referenced outside the engine",
     "last_layer": "the last layer of the chain (its backward runs first)",
+    "link_saturated": "layers whose offload still waited for the link when their backward began",
 }
 
 

@@ -74,6 +74,11 @@ def _counting_torch_sac(meter) -> Iterator[None]:
         torch_checkpoint._VersionWrapper = base
 
 
+def meter_active() -> bool:
+    """Whether a saved_activation_memory meter samples region boundaries now."""
+    return _active is not None
+
+
 def sample_active_meter() -> None:
     """Called at region boundaries (where the engine frees or reloads memory)."""
     if _active is not None:

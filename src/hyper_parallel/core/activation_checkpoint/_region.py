@@ -12,6 +12,7 @@ backward"). If the forward raises, the group is aborted and nothing stays instal
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -20,13 +21,18 @@ from torch.utils._pytree import tree_flatten
 from hyper_parallel._extension import _C
 
 from ._diagnostics import after_forward
-from ._memory import sample_active_meter
+from ._memory import meter_active, sample_active_meter
 from ._recompute_state import is_recomputing
 
 SWAP_ALL = _C.PackMode.SWAP_ALL
 REGISTERED_ONLY = _C.PackMode.REGISTERED_ONLY
 
 _warned_unscheduled: set[str] = set()
+
+
+def _compiled_autograd_on() -> bool:
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and bool(getattr(ca, "compiled_autograd_enabled", False))
 
 
 def in_backward() -> bool:
@@ -68,7 +74,7 @@ class Region:
     """
 
     __slots__ = ("_layer_id", "_name", "_pack_mode", "_policy_fn", "_group_swap",
-                 "_exclude", "_manual", "_token", "_cpu_pool", "_quiet")
+                 "_exclude", "_manual", "_token", "_cpu_pool", "_quiet", "_group", "_joined")
 
     def __init__(self, layer_id=-1, name="", pack_mode=None, policy_fn=None, group_swap=False,
                  exclude=(), manual=False, cpu_pool=None, quiet=False):
@@ -82,15 +88,13 @@ class Region:
         self._token = None
         self._cpu_pool = cpu_pool
         self._quiet = quiet
+        self._group = None
+        self._joined = False
 
     @property
     def group(self):
         """The swap group of this invocation (``None`` before entry)."""
-        return None if self._token is None else self._token.group
-
-    @property
-    def _joined(self) -> bool:
-        return self._token is not None and self._token.joined
+        return self._group
 
     # Entry and exit are each ONE C++ call (csrc/bindings/BindRegion.cpp): the group push,
     # the parameter exclusion and the hook push cannot be separated by a Python exception.
@@ -101,11 +105,13 @@ class Region:
         push = (self._pack_mode is not None and torch.is_grad_enabled()
                 and not in_checkpoint_forward())
         try:
-            self._token = _C.region_enter(self._layer_id, self._name, self._manual,
-                                          self._group_swap, self._exclude or None,
-                                          self._pack_mode, self._policy_fn, push)
-            if self._cpu_pool is not None and not self._token.joined:
-                _C.set_group_pool(self._token.group, self._cpu_pool)
+            token = self._token = _C.region_enter(self._layer_id, self._name, self._manual,
+                                                  self._group_swap, self._exclude or None,
+                                                  self._pack_mode, self._policy_fn, push)
+            self._group = token.group
+            self._joined = token.joined
+            if self._cpu_pool is not None and not self._joined:
+                _C.set_group_pool(self._group, self._cpu_pool)
             return self
         except BaseException:
             if self._token is not None:
@@ -116,11 +122,12 @@ class Region:
         if self._token is None:
             return False
         ok = exc_type is None
-        unscheduled = _C.region_exit(self._token, ok)
-        if ok and not self._token.joined:
+        flags = _C.region_exit(self._token, ok)  # 1: unscheduled with records, 2: diagnose
+        if ok and not self._joined:
             sample_active_meter()
-            after_forward(self.group, self._name)
-        if unscheduled and not self._quiet:
+            if flags & 2:
+                after_forward(self._group, self._name)
+        if flags & 1 and not self._quiet:
             self._warn_unscheduled()
         return False
 
@@ -137,9 +144,16 @@ class Region:
         )
 
     def attach_backward(self, outputs) -> None:
-        """Starts this invocation's prefetch when the gradient reaches any output."""
-        group = self.group
-        if group is None or self._joined or (group.num_records == 0 and group.layer < 0):
+        """Starts this invocation's prefetch when the gradient reaches any output.
+
+        The hook is a C++ pre-hook on each output node (no Python call, no handle per
+        call); a Python one is used while a saved-activation meter samples region
+        boundaries, or under compiled autograd (which takes Python hooks only)."""
+        group = self._group
+        if group is None or self._joined or (self._layer_id < 0 and group.num_records == 0):
+            return
+        if not meter_active() and not _compiled_autograd_on():
+            _C.attach_backward(group, outputs)
             return
         hook = _BackwardStart(group)
         seen = set()

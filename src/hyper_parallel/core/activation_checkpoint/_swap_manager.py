@@ -206,6 +206,9 @@ class SwapManager:
     _lock = threading.Lock()
 
     def __new__(cls):
+        inst = cls._instance
+        if inst is not None:  # the hot path of every region: no lock once it exists
+            return inst
         with cls._lock:
             if cls._instance is None:
                 inst = super().__new__(cls)
