@@ -1,15 +1,18 @@
-"""Region modes: two TorchDispatchModes per checkpoint region invocation (docs/design.md,
-"Selective checkpoint").
+"""Region contexts: a forward and a recompute context per checkpoint region invocation
+(docs/design.md, "Selective checkpoint", "Interception in C++").
 
 Every checkpoint region runs its forward under :class:`_CachingMode` and its recompute
-under :class:`_CachedMode`, both handed to torch's non-reentrant checkpoint frame through
-``context_fn`` (:func:`region_context_fn`; :func:`create_selective_checkpoint_contexts`
-gives the same pair to torch's own checkpoint). They share one :class:`_RegionState`:
+under :class:`_CachedMode` (TorchDispatchModes), both handed to torch's non-reentrant
+checkpoint frame through ``context_fn`` (:func:`region_context_fn`;
+:func:`create_selective_checkpoint_contexts` gives the same pair to torch's own
+checkpoint); a region with a declarative policy (a list or dict of ops) runs under
+:class:`_NativeForward` and :class:`_NativeRecompute` instead, whose ops are intercepted
+in C++ (``_C.SacRegion``: no Python call per op) with the same rules. They share one
+:class:`_RegionState`:
 
 * with a per-op policy, the C++ ``_C.SacCache`` (entries keyed by op and call index,
   cached outputs with their versions, swap handles for ``MUST_SWAP``); a declarative
-  policy (a list or dict of ops) is an ``_C.OpPolicyTable`` evaluated in C++, so a region
-  that uses one makes no Python call per op to decide. Ops reach C++ as small integer
+  policy is an ``_C.OpPolicyTable`` evaluated in C++. Ops reach C++ as small integer
   keys, mapped once per op object here. The policy receives torch's own ``OpOverload``;
 * always, the tensors read from outside the region (``_external.py``: recompute sees the
   values forward saw and never writes them) and the kept collective results
@@ -690,7 +693,9 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
             in-place ops, in both modes; torch raises for them by default.)
 
     Returns:
-        A tuple of two ``TorchDispatchMode`` s sharing one region state.
+        A tuple of two context managers sharing one region state: TorchDispatchModes for
+        a callable policy, C++-intercepted contexts for a list or dict (no Python call per
+        op) where this torch allows it (``_selective.NATIVE``).
 
     Raises:
         ValueError, TypeError: as :func:`checkpoint` does for a bad ``policy_fn``, and
