@@ -25,7 +25,19 @@ the math is exactly full checkpoint's and
 ``overhead per op = (t_selective - t_full checkpoint, same library) / ops per region
 forward``, in microseconds (it covers the op's visit in forward and in recompute).
 
+Part 3, fits of the overhead per region, ``a + b*k`` for regions of ``k`` ops
+(``PointwiseChain``: ``k`` elementwise ops on a small tensor, ``--fit-layers`` regions per
+step, recompute-all policies, so every contender does full checkpoint's math):
+overhead = step time of the contender - step time of torch's full checkpoint, per region;
+``a`` (fixed, per region, in us) and ``b`` (per op, in us) by least squares over
+``--fit-ops``. Contenders: torch SAC (``create_selective_checkpoint_contexts`` with a
+Python policy), ours declarative (``{"*": PREFER_RECOMPUTE}``: C++ interception, no Python
+call per op), ours callable (a Python policy: our region modes). All are timed in the same
+interleaved rounds, 1 torch thread; every timed step of every contender is preceded by
+the same ``gc.collect()`` (``_common._timed``), which makes each step equally cache-cold.
+
 Usage: PYTHONPATH=src python benchmarks/bench_selective.py [--rounds 15] [--quick]
+       [--fit-only]
 """
 
 from __future__ import annotations
@@ -132,7 +144,110 @@ def _measure(blocks, x, callers: dict, rounds: int, warmup: int):
     return times, same
 
 
+class PointwiseChain(nn.Module):
+    """``ops`` cheap elementwise ATen ops on one small tensor (one scale parameter, so the
+    region has something to differentiate): per-op overhead is all a step measures."""
+
+    def __init__(self, ops: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.ops = ops
+
+    def forward(self, x):
+        x = x * self.scale
+        for j in range(self.ops - 1):
+            x = torch.sin(x) if j % 2 == 0 else x + 0.1
+        return x
+
+
+def _fit(ks, ys):
+    """Least-squares (a, b) of y = a + b * k."""
+    n = len(ks)
+    mk, my = sum(ks) / n, sum(ys) / n
+    b = sum((k - mk) * (y - my) for k, y in zip(ks, ys)) / sum((k - mk) ** 2 for k in ks)
+    return my - b * mk, b
+
+
+def run_fit(args) -> dict:
+    """Part 3: a + b*k per region (see the module docstring)."""
+    ks = args.fit_ops
+    chains = {k: nn.ModuleList(PointwiseChain(k) for _ in range(args.fit_layers)) for k in ks}
+    x = torch.randn(args.batch, args.dim, requires_grad=True)
+    recompute_all = {"*": CheckpointPolicy.PREFER_RECOMPUTE}
+    makers = {
+        "none": lambda blocks: (lambda block, h: block(h)),
+        "torch full checkpoint": lambda blocks: _torch_region(),
+        "ours full checkpoint": lambda blocks: _ours(blocks),
+        "torch SAC": lambda blocks: _sac(torch_recompute_all),
+        "ours declarative": lambda blocks: _ours(blocks, policy_fn=recompute_all),
+        "ours callable": lambda blocks: _ours(blocks, policy_fn=ours_recompute_all),
+    }
+    own_base = {"torch SAC": "torch full checkpoint", "ours declarative": "ours full checkpoint",
+                "ours callable": "ours full checkpoint"}
+    steps, same = {}, {}
+    for k, blocks in chains.items():
+        params = list(blocks.parameters())
+
+        def step_of(call, blocks=blocks, params=params):
+            def step():
+                for p in params:
+                    p.grad = None
+                x.grad = None
+                h = x
+                for block in blocks:
+                    h = call(block, h)
+                h.pow(2).mean().backward()
+                return [p.grad.clone() for p in params] + [x.grad.clone()]
+
+            return step
+
+        ref = None
+        for n, make in makers.items():
+            steps[f"{n}@{k}"] = step_of(make(blocks))
+            got = steps[f"{n}@{k}"]()
+            ref = got if ref is None else ref
+            same[n] = same.get(n, True) and all(torch.equal(a, b) for a, b in zip(ref, got))
+    times = interleaved(steps, rounds=args.rounds, warmup=args.warmup)
+
+    def fit_of(n, base):
+        ys = [(median(times[f"{n}@{k}"].cpu) - median(times[f"{base}@{k}"].cpu))
+              / args.fit_layers * 1e6 for k in ks]
+        return ys, _fit(ks, ys)
+
+    fits, rows = {}, []
+    for n in own_base:
+        ys, (a0, b0) = fit_of(n, "none")
+        _, (a1, b1) = fit_of(n, own_base[n])
+        fits[n] = {"vs_none": (a0, b0), "vs_own_checkpoint": (a1, b1)}
+        rows.append([n, *(f"{y:.0f}" for y in ys), f"{a0:.0f}", f"{b0:.2f}", f"{a1:.0f}",
+                     f"{b1:.2f}", "yes" if same[n] else "NO"])
+    t0, t1 = fits["torch SAC"]["vs_none"][1], fits["torch SAC"]["vs_own_checkpoint"][1]
+    for row, n in zip(rows, own_base):
+        row.insert(-1, f"{fits[n]['vs_none'][1] / t0:.3f}")
+        row.insert(-1, f"{fits[n]['vs_own_checkpoint'][1] / t1:.3f}")
+    print(table(["contender", *(f"k={k}: us/region vs none" for k in ks),
+                 "a vs none (us)", "b vs none (us/op)", "a vs own full ckpt (us)",
+                 "b vs own full ckpt (us/op)", "b/torch's (vs none)",
+                 "b/torch's (vs own ckpt)", "grads == none"], rows,
+                title=f"\n## Selective checkpoint overhead per region = a + b*k "
+                      f"({args.fit_layers} regions of k ops, tensors {args.batch}x{args.dim}, "
+                      f"cpu clock, {args.rounds} interleaved rounds, gc.collect() before "
+                      "every step of every contender)"))
+    for base in ("none", "torch full checkpoint", "ours full checkpoint"):
+        ys = [median(times[f"{base}@{k}"].cpu) / args.fit_layers * 1e6 for k in ks]
+        print(f"({base}: " + ", ".join(f"k={k} {y:.0f} us/region" for k, y in zip(ks, ys)) + ")")
+    r_own = fits["ours declarative"]["vs_own_checkpoint"][1] / t1
+    r_none = fits["ours declarative"]["vs_none"][1] / t0
+    print(f"target: ours declarative per-op overhead <= 0.6x torch SAC's: {r_own:.3f}x "
+          f"(selective machinery: minus each library's full checkpoint), {r_none:.3f}x "
+          f"(all host overhead: minus no checkpoint) -> {verdict(max(r_own, r_none) <= 0.6)}")
+    return {n: {base: {"a_us": a, "b_us": b} for base, (a, b) in f.items()}
+            for n, f in fits.items()}
+
+
 def run(args) -> dict:
+    if args.fit_only:
+        return {"fit": run_fit(args)}
     torch.manual_seed(0)
     blocks = nn.ModuleList(SmallOpsBlock(args.dim, args.stages, args.pointwise)
                            for _ in range(args.blocks))
@@ -204,15 +319,16 @@ def run(args) -> dict:
     ours_decl = per_op["ours declarative (recompute all)"] / torch_op
     print(f"target: ours policy_fn per-op overhead <= torch's: {ours_fn:.3f}x "
           f"-> {verdict(ours_fn <= 1.0)}")
-    print(f"target: ours declarative per-op overhead clearly below torch's (<= 0.8x): "
-          f"{ours_decl:.3f}x -> {verdict(ours_decl <= 0.8)}")
+    print(f"target: ours declarative per-op overhead <= 0.6x torch's: "
+          f"{ours_decl:.3f}x -> {verdict(ours_decl <= 0.6)}")
     print(f"(the pass-through mode's {floor:.2f} us/op is torch's Python-mode dispatch itself, "
           f"{floor / torch_op:.0%} of torch SAC's overhead: no policy or cache design below a "
           "Python TorchDispatchMode goes under it)")
     print(f"(torch SAC policy_fn step: {median(ref.cpu) * 1e3:.1f} ms cpu, for scale only; "
           f"{args.rounds} interleaved rounds)")
     return {"step_ratio": part1, "per_op_us": per_op, "floor_us": floor,
-            "per_op_ratio": {"ours policy_fn": ours_fn, "ours declarative": ours_decl}}
+            "per_op_ratio": {"ours policy_fn": ours_fn, "ours declarative": ours_decl},
+            "fit": run_fit(args)}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -223,6 +339,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--fit-ops", type=int, nargs="+", default=[2, 8, 32, 64],
+                   help="ops per region of the a + b*k fit (part 3)")
+    p.add_argument("--fit-layers", type=int, default=8, help="regions per step (part 3)")
+    p.add_argument("--fit-only", action="store_true", help="run part 3 only")
 
 
 def main(argv=None) -> None:

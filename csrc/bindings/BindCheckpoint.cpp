@@ -188,6 +188,8 @@ csrc/hyper_parallel/activation/SacCache.h.)doc")
            py::arg("op_key"),
            "The cached outputs of the next call of op_key in this recompute pass, or "
            "SAC_RECOMPUTE when the op must run again.")
+      .def("next_is_cached", &SacCache::next_is_cached, py::arg("op_key"),
+           "Whether the next replay of op_key in this pass hands back cached outputs.")
       .def("stats", [](const SacCache& c) {
         const SacCacheStats s = c.stats();
         py::dict d;

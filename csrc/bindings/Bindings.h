@@ -18,6 +18,7 @@ void bind_checkpoint(pybind11::module_& m);
 void bind_region(pybind11::module_& m);
 void bind_trace(pybind11::module_& m);
 void bind_planner(pybind11::module_& m);
+void bind_intercept(pybind11::module_& m);
 
 // BindSwap.cpp: a PackHook object for a region (`state` may be null: always live).
 pybind11::object make_pack_hook(activation::PackMode mode, pybind11::object policy_fn,

@@ -8,4 +8,5 @@ PYBIND11_MODULE(_C, m) {
   hyper_parallel::bindings::bind_checkpoint(m);
   hyper_parallel::bindings::bind_trace(m);
   hyper_parallel::bindings::bind_planner(m);
+  hyper_parallel::bindings::bind_intercept(m);
 }

@@ -146,6 +146,17 @@ SacCache::Replay SacCache::replay(int64_t op_key, bool retain) {
   return out;
 }
 
+bool SacCache::next_is_cached(int64_t op_key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (op_key < 0 || static_cast<size_t>(op_key) >= entries_.size() || cached_calls_[op_key] == 0) {
+    return false;
+  }
+  const size_t index = static_cast<size_t>(op_key) < replay_calls_.size()
+                           ? static_cast<size_t>(replay_calls_[op_key]) : 0;
+  const auto& calls = entries_[op_key];
+  return index >= calls.size() || calls[index].state != State::kRecompute;
+}
+
 SacCacheStats SacCache::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   SacCacheStats s;

@@ -123,6 +123,9 @@ class SacCache {
   // it cached some call of (the recomputed op sequence differs), when the entry was released by an earlier backward,
   // or when a cached tensor was modified in place after it was cached.
   Replay replay(int64_t op_key, bool retain);
+  // Whether the next replay(op_key) of this pass would hand back cached outputs (or raise
+  // for a released entry) rather than say "run it".
+  bool next_is_cached(int64_t op_key) const;
 
   // --- introspection (tests, debugging) -------------------------------------------------
   SacCacheStats stats() const;

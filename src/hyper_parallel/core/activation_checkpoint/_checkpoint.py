@@ -369,6 +369,7 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         return torch_checkpoint.checkpoint(reentrant_call(call), *call_args, **ckpt_kwargs)
     key = _mode_key(function) if policy is None else None
     training = _training(key) if key is not None else None
+    report = None
     debug_region = debug or _debug_forced()
     if debug_region:
         pass  # torch's debug mode brings its own context_fn: a debug region runs without ours
@@ -395,10 +396,23 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     # Parameters are never packed (eligibility) and buffers are never region inputs or op
     # outputs, so a checkpoint region needs no exclusion list (a per-call module walk).
     node, name, _ = resolve_layer(function, with_state=False)
-    if node is None and not swap_inputs and (policy is None or not policy.may_swap) \
-            and _C.current_group() is None:
-        # Nothing here can join a swap group or the schedule: torch's frame alone.
-        return torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
+    if node is None and not swap_inputs and _C.current_group() is None:
+        if policy is None or not policy.may_swap:
+            # Nothing here can join a swap group or the schedule: torch's frame alone.
+            return torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
+        if policy.fn is not None and not debug_region:
+            # A callable policy may return MUST_SWAP, but most never do: the region mode
+            # opens the swap region at the first MUST_SWAP (docs/design.md, "Selective
+            # checkpoint"), so a policy that never swaps costs no group or hook.
+            opened = []
+            ckpt_kwargs["context_fn"] = region_context_fn(
+                policy, context_fn, allow_cache_entry_mutation, _describer(function), report,
+                region_args=dict(name=name, group_swap=group_swap, cpu_pool=pool),
+                on_region=opened.append)
+            out = torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
+            for region in opened:
+                region.attach_backward(out)
+            return out
     # Inside the forward of an enclosing checkpoint, Region pushes no hooks of ours: this
     # region's inputs must reach the enclosing frame's saved-tensor hook (it recomputes them).
     pack_mode = SWAP_ALL if swap_inputs else REGISTERED_ONLY

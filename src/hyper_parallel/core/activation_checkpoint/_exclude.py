@@ -116,8 +116,12 @@ def run_excluded(key, fn, save_output: bool, what: str, args, kwargs):
             break
         forward.append(state)
     else:
+        # A region intercepted in C++ keeps its own count (state.native).
+        natives = [state.native for state in forward if state.native is not None]
         for state in forward:
             state.excluding += 1
+        for native in natives:
+            native.add_excluding(1)
         try:
             # Shadows the checkpoint frame's hook: the part's own backward keeps its tensors.
             with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
@@ -125,6 +129,8 @@ def run_excluded(key, fn, save_output: bool, what: str, args, kwargs):
         finally:
             for state in forward:
                 state.excluding -= 1
+            for native in natives:
+                native.add_excluding(-1)
     for state in forward:
         state.keep_exclusion(key, _Kept(out, save_output))
     return out

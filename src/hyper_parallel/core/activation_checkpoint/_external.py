@@ -66,6 +66,15 @@ def iter_tensors(values):
                     yield from (w for w in u if isinstance(w, _Tensor))
 
 
+def tensor_name(t, describe=None) -> str:
+    """How error messages name a tensor from outside a region: ``describe(t)`` (e.g.
+    ``"buffer 'scale' of _Scaled"``) or a generic phrase, with its shape and dtype."""
+    name = describe(t) if describe is not None else None
+    shape = list(t.shape)
+    return (f"{name} (shape {shape}, {t.dtype})" if name
+            else f"a tensor from outside the region (shape {shape}, {t.dtype})")
+
+
 class ExternalTensors:
     """Reads and writes of tensors from outside one checkpoint region invocation.
 
@@ -232,10 +241,7 @@ class ExternalTensors:
         return shadow
 
     def _name(self, t) -> str:
-        name = self._describe(t) if self._describe is not None else None
-        shape = list(t.shape)
-        return (f"{name} (shape {shape}, {t.dtype})" if name
-                else f"a tensor from outside the region (shape {shape}, {t.dtype})")
+        return tensor_name(t, self._describe)
 
     def _modified_message(self, t, op_name: str, version: int) -> str:
         return (

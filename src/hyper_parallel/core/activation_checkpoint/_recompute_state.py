@@ -32,13 +32,14 @@ class RecomputeState:
             not be found); used by scheduled recompute.
     """
 
-    __slots__ = ("is_recomputing", "frame", "excluding", "_exclusions", "_cursor",
+    __slots__ = ("is_recomputing", "frame", "excluding", "native", "_exclusions", "_cursor",
                  "__weakref__")
 
     def __init__(self) -> None:
         self.is_recomputing = False
         self.frame = None
         self.excluding = 0  # > 0 inside a checkpoint_exclude_wrapper's forward
+        self.native = None  # the invocation's _C.SacRegion (C++ interception), if any
         self._exclusions: dict = {}  # exclusion key -> [kept entries, in call order]
         self._cursor: dict = {}  # exclusion key -> entries handed back in this recompute
 

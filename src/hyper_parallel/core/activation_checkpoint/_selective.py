@@ -1,15 +1,18 @@
-"""Region modes: two TorchDispatchModes per checkpoint region invocation (docs/design.md,
-"Selective checkpoint").
+"""Region contexts: a forward and a recompute context per checkpoint region invocation
+(docs/design.md, "Selective checkpoint", "Interception in C++").
 
 Every checkpoint region runs its forward under :class:`_CachingMode` and its recompute
-under :class:`_CachedMode`, both handed to torch's non-reentrant checkpoint frame through
-``context_fn`` (:func:`region_context_fn`; :func:`create_selective_checkpoint_contexts`
-gives the same pair to torch's own checkpoint). They share one :class:`_RegionState`:
+under :class:`_CachedMode` (TorchDispatchModes), both handed to torch's non-reentrant
+checkpoint frame through ``context_fn`` (:func:`region_context_fn`;
+:func:`create_selective_checkpoint_contexts` gives the same pair to torch's own
+checkpoint); a region with a declarative policy (a list or dict of ops) runs under
+:class:`_NativeForward` and :class:`_NativeRecompute` instead, whose ops are intercepted
+in C++ (``_C.SacRegion``: no Python call per op) with the same rules. They share one
+:class:`_RegionState`:
 
 * with a per-op policy, the C++ ``_C.SacCache`` (entries keyed by op and call index,
   cached outputs with their versions, swap handles for ``MUST_SWAP``); a declarative
-  policy (a list or dict of ops) is an ``_C.OpPolicyTable`` evaluated in C++, so a region
-  that uses one makes no Python call per op to decide. Ops reach C++ as small integer
+  policy is an ``_C.OpPolicyTable`` evaluated in C++. Ops reach C++ as small integer
   keys, mapped once per op object here. The policy receives torch's own ``OpOverload``;
 * always, the tensors read from outside the region (``_external.py``: recompute sees the
   values forward saw and never writes them) and the kept collective results
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
@@ -39,7 +43,7 @@ from hyper_parallel._extension import _C
 from . import _memory
 from ._collectives import FUNCTIONAL_NAMESPACES, Collectives, is_collective
 from ._errors import ArgumentKindError
-from ._external import ExternalTensors
+from ._external import ExternalTensors, iter_tensors, tensor_name
 from ._ignored_ops import is_sac_ignored
 from ._policy import CheckpointPolicy, to_policy
 from . import _recompute_state
@@ -48,6 +52,7 @@ from ._policy_signature import check_checkpoint_policy
 
 _RECOMPUTE = _C.SAC_RECOMPUTE
 _MUST_SAVE = CheckpointPolicy.MUST_SAVE
+_MUST_SWAP = CheckpointPolicy.MUST_SWAP
 _DEFAULT_KEY = "*"
 
 _IGNORED_OPS = {torch.ops.aten.detach.default, torch.ops.prim.device.default}
@@ -155,6 +160,58 @@ def _op_info(func) -> _OpInfo:
 def forget_op(func) -> None:
     """Drops the cached decision about ``func`` (``ignore_sac_ops`` changed it)."""
     _OP_INFO.pop(func, None)
+    _C.forget_intercepted_ops()
+
+
+# ------------------------------------------------------------------ C++ interception
+# A region with a declarative policy (an OpPolicyTable) runs its per-op work in C++
+# (csrc/hyper_parallel/activation/OpInterceptor.h; docs/design.md, "Selective checkpoint"):
+# no dispatch mode, no Python call per op. The op rules stay here: C++ asks
+# _native_facts once per op.
+
+#: Whether declarative regions are intercepted in C++ (False on a torch whose interception
+#: key is taken; see _C.intercept_unavailable_reason()). Tests may turn it off.
+NATIVE = bool(_C.intercept_install())
+
+
+def _op_from_name(name: str):
+    """``torch.ops`` overload of ``"ns::op.overload"``, or ``None``."""
+    ns, rest = name.split("::", 1)
+    op, overload = rest.rsplit(".", 1)
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), op), overload)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _native_facts(name: str):
+    """(op key, kind, schema positions it writes, is _to_copy) of an op for C++, or None
+    (schema rules) for an op torch.ops cannot name."""
+    func = _op_from_name(name)
+    if func is None:
+        return None
+    info = _op_info(func)
+    writes = {i for i in info.writes if i >= 0}
+    if -1 in info.writes:  # kwarg-only (out=) arguments: their schema positions
+        writes |= {i for i, a in enumerate(func._schema.arguments)
+                   if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write}
+    return info.key, info.kind, tuple(sorted(writes)), func is _TO_COPY
+
+
+_C.set_op_classifier(_native_facts)
+
+
+def _native_collective(state_ref, name, args, kwargs, recompute):
+    """A collective of a C++-intercepted region: kept in forward, handed back in
+    recompute (``_collectives.py``), as the region modes do."""
+    st = state_ref()
+    func = _op_from_name(name)
+    info = _op_info(func)
+    if recompute:
+        return st.collectives.replay(func, args, kwargs, _C.backward_keeps_graph())
+    out = func(*args, **kwargs)
+    st.collectives.record(func, args, out, st.keep_collective(info, func, args, kwargs, out))
+    return out
 
 
 def _autocast_weight_cast(func, args) -> bool:
@@ -222,7 +279,8 @@ class _RegionState:
     region, and the kept collective results."""
 
     __slots__ = ("cache", "policy_fn", "table", "external", "collectives", "may_swap", "region",
-                 "report", "rstate")
+                 "report", "rstate", "lazy_swap", "region_args", "on_region", "native",
+                 "__weakref__")
 
     def __init__(self, policy, allow_cache_entry_mutation: bool, describe) -> None:
         if policy is None:
@@ -232,11 +290,39 @@ class _RegionState:
             self.table, self.policy_fn = policy.table, policy.fn
             self.cache = _new_cache(policy.table, allow_cache_entry_mutation)
             self.may_swap = policy.may_swap
+        # A callable policy may return MUST_SWAP but usually never does: its swap group is
+        # opened at the first MUST_SWAP (open_swap_region), not at the region's entry.
+        self.lazy_swap = self.may_swap and self.policy_fn is not None
+        self.region_args = {}  # Region(**region_args) when one is opened
+        self.on_region = None  # on_region(region): a swap region was opened
         self.external = ExternalTensors(describe)
         self.collectives = Collectives(_observe_kept)
         self.region = None
         self.report = None
         self.rstate = _recompute_state.RecomputeState()
+        self.native = None
+        if self.table is not None and NATIVE:
+            self.native = _C.SacRegion(self.cache, functools.partial(tensor_name,
+                                                                     describe=describe))
+            self.native.set_collective_handler(
+                functools.partial(_native_collective, weakref.ref(self)))
+            self.rstate.native = self.native
+
+    def open_swap_region(self) -> None:
+        """Opens the swap group that MUST_SWAP outputs go to, unless one is current (an
+        enclosing region's) or backward is running (MUST_SWAP outputs of a region
+        recomputed in backward stay on device). Called once, before the first MUST_SWAP
+        output of a callable policy is recorded, or at entry for a table with MUST_SWAP
+        entries; the group then holds the outputs of this forward from there on."""
+        self.lazy_swap = False
+        if _C.current_group() is not None or in_backward():
+            return
+        # Under torch's own checkpoint (no region of ours) nothing else would: without a
+        # schedule the outputs are reloaded on demand in backward.
+        self.region = Region(**self.region_args)
+        self.region.__enter__()
+        if self.on_region is not None:
+            self.on_region(self.region)
 
     def keep_collective(self, info: _OpInfo, func, args, kwargs, out) -> bool:
         """Collectives are kept unless the policy says MUST_RECOMPUTE."""
@@ -266,11 +352,8 @@ class _CachingMode(TorchDispatchMode):
 
     def __enter__(self):
         st = self._state
-        if st.may_swap and _C.current_group() is None and not in_backward():
-            # Under torch's own checkpoint (no region of ours): MUST_SWAP outputs still need
-            # a swap group. Without a schedule they are reloaded on demand in backward.
-            st.region = Region()
-            st.region.__enter__()
+        if st.may_swap and not st.lazy_swap:
+            st.open_swap_region()
         _recompute_state.enter_forward(st.rstate)
         return super().__enter__()
 
@@ -295,8 +378,11 @@ class _CachingMode(TorchDispatchMode):
         if st.policy_fn is None:
             ok = st.cache.record(info.key, out)
         else:
-            res = st.policy_fn(SelectiveCheckpointContext(False, out), func, *args, **kwargs)
-            ok = st.cache.record(info.key, out, _check(res, info))
+            res = _check(st.policy_fn(SelectiveCheckpointContext(False, out), func, *args,
+                                      **kwargs), info)
+            if res is _MUST_SWAP and st.lazy_swap:
+                st.open_swap_region()
+            ok = st.cache.record(info.key, out, res)
         if not ok:
             _warn_uncacheable(info.name, out)
         return out
@@ -306,16 +392,7 @@ class _CachingMode(TorchDispatchMode):
         st = self._state
         _recompute_state.exit_forward(st.rstate, exc_type is None)
         st.external.end_forward()
-        if exc_type is None and st.report is not None:
-            st.report(st.external.written > 0 or bool(st.collectives))
-        if exc_type is None and st.cache is not None:
-            # Outputs written in place later in this forward are replayed instead.
-            for name, call, policy in st.cache.end_forward():
-                if policy in _MUST_KEEP:
-                    _warn_demoted(name, call, policy)
-        if st.region is not None:
-            region, st.region = st.region, None
-            region.__exit__(exc_type, exc, tb)
+        _end_forward(st, exc_type, exc, tb, st.external.written)
         return result
 
 
@@ -362,6 +439,112 @@ class _CachedMode(TorchDispatchMode):
         if out is _RECOMPUTE:
             return func(*args, **kwargs)
         return out
+
+
+def _end_forward(st: _RegionState, exc_type, exc, tb, written: int) -> None:
+    """What the forward of a region leaves behind, whichever path intercepted it: the
+    report, the demotion of outputs written later in the forward, the swap region."""
+    if exc_type is None and st.report is not None:
+        st.report(written > 0 or bool(st.collectives))
+    if exc_type is None and st.cache is not None:
+        # Outputs written in place later in this forward are replayed instead.
+        for name, call, policy in st.cache.end_forward():
+            if policy in _MUST_KEEP:
+                _warn_demoted(name, call, policy)
+    if st.region is not None:
+        region, st.region = st.region, None
+        region.__exit__(exc_type, exc, tb)
+
+
+class _NativeForward:
+    """Forward of a region whose ops C++ intercepts (a declarative policy): the same
+    bookkeeping as :class:`_CachingMode`, with no dispatch mode."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: _RegionState) -> None:
+        self._state = state
+
+    def __enter__(self):
+        st = self._state
+        if st.may_swap:
+            st.open_swap_region()
+        _recompute_state.enter_forward(st.rstate)
+        st.native.enter_forward()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        st = self._state
+        st.native.exit()
+        _recompute_state.exit_forward(st.rstate, exc_type is None)
+        st.native.end_forward()
+        _end_forward(st, exc_type, exc, tb, st.native.written)
+        return False
+
+
+class _NativeRecompute:
+    """Recompute of a region whose ops C++ intercepts (see :class:`_CachedMode`)."""
+
+    __slots__ = ("_state", "_shields")
+
+    def __init__(self, state: _RegionState) -> None:
+        self._state = state
+        self._shields: list = []
+
+    def __enter__(self):
+        st = self._state
+        st.native.enter_recompute()  # checks the external tensors; may raise
+        st.collectives.begin_recompute()
+        _recompute_state.enter_recompute(st.rstate)
+        shield = None
+        if torch._C._len_torch_dispatch_stack() > 0:
+            shield = _ReplayShield(st.cache)
+            shield.__enter__()
+        self._shields.append(shield)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        st = self._state
+        shield = self._shields.pop() if self._shields else None
+        if shield is not None:
+            shield.__exit__(exc_type, exc, tb)
+        st.native.exit()
+        _recompute_state.exit_recompute(st.rstate)
+        return False
+
+
+def _plain_tensors(args, kwargs) -> bool:
+    """No tensor subclass among the arguments (their ops are not the intercepted ones: a
+    subclass hands the ops on its inner tensors down to the interception)."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    return all(type(t) in plain for t in iter_tensors(args)) and (
+        not kwargs or all(type(t) in plain for t in iter_tensors(kwargs.values())))
+
+
+class _ReplayShield(TorchDispatchMode):
+    """The recompute of a C++-intercepted region while other dispatch modes are active
+    (a FlopCounterMode around backward, say): those modes sit at the Python key, above
+    the interception, so they would see every op, cached or not. This mode (the innermost)
+    sends the ops whose outputs are cached straight to the interception, with Python
+    dispatch off, as torch's own selective checkpoint mode hides them; others run as
+    usual. Only pushed when another mode is active: a Python call per op is paid then
+    anyway."""
+
+    ignore_compile_internals = _CachingMode.ignore_compile_internals
+
+    def __init__(self, cache) -> None:
+        super().__init__()
+        self._cache = cache
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        info = _OP_INFO.get(func) or _op_info(func)
+        if (info.kind == _PLAIN and self._cache.next_is_cached(info.key)
+                and not _autocast_weight_cast(func, args) and _plain_tensors(args, kwargs)):
+            with torch._C._DisableTorchDispatch():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 class _Nested:
@@ -446,19 +629,28 @@ class SelectivePolicy:
 
 
 def region_context_fn(policy: SelectivePolicy | None = None, user_context_fn=None,
-                      allow_cache_entry_mutation: bool = False, describe=None, report=None):
+                      allow_cache_entry_mutation: bool = False, describe=None, report=None,
+                      region_args=None, on_region=None):
     """A ``context_fn`` for torch's checkpoint frame: a fresh region state per invocation
     (the policy's cache, external tensors, kept collectives; see :class:`_RegionState`),
     composed with the user's ``(forward_ctx, recompute_ctx)`` (theirs outside ours).
 
     ``describe(tensor) -> str | None`` names a tensor in error messages; ``report(needed)``
     is called after each completed forward, ``needed`` telling whether the region wrote a
-    tensor from outside it or ran a collective."""
+    tensor from outside it or ran a collective. When a forward opens a swap group for
+    ``MUST_SWAP`` outputs (no enclosing one is current), it is ``Region(**region_args)``
+    and ``on_region(region)`` is called with it."""
 
     def make_contexts():
         state = _RegionState(policy, allow_cache_entry_mutation, describe)
         state.report = report
-        forward, recompute = _CachingMode(state), _CachedMode(state)
+        if region_args is not None:
+            state.region_args = region_args
+        state.on_region = on_region
+        if state.native is not None:
+            forward, recompute = _NativeForward(state), _NativeRecompute(state)
+        else:
+            forward, recompute = _CachingMode(state), _CachedMode(state)
         if user_context_fn is None:
             return forward, recompute
         user_forward, user_recompute = call_context_fn(user_context_fn)
@@ -501,7 +693,9 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
             in-place ops, in both modes; torch raises for them by default.)
 
     Returns:
-        A tuple of two ``TorchDispatchMode`` s sharing one region state.
+        A tuple of two context managers sharing one region state: TorchDispatchModes for
+        a callable policy, C++-intercepted contexts for a list or dict (no Python call per
+        op) where this torch allows it (``_selective.NATIVE``).
 
     Raises:
         ValueError, TypeError: as :func:`checkpoint` does for a bad ``policy_fn``, and

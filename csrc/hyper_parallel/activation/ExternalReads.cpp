@@ -1,0 +1,219 @@
+#include "hyper_parallel/activation/ExternalReads.h"
+
+#include "hyper_parallel/activation/OpPolicyTable.h"
+#include "hyper_parallel/common/Macros.h"
+
+#include <c10/core/GradMode.h>
+
+#include <sstream>
+
+namespace hyper_parallel::activation {
+
+namespace {
+
+// Calls f(tensor) for the tensors of one boxed argument: Tensor, Tensor?, Tensor[],
+// Tensor?[] (one level, as op arguments hold them).
+template <class F>
+void for_tensors(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (t.defined()) f(t);
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList()) {
+      if (t.defined()) f(t);
+    }
+  } else if (v.isList()) {
+    for (const c10::IValue& u : v.toListRef()) {
+      if (u.isTensor() && u.toTensor().defined()) f(u.toTensor());
+    }
+  }
+}
+
+// A detached copy of `t`'s value that records no autograd history.
+at::Tensor copy_of(const at::Tensor& t) {
+  c10::AutoGradMode no_grad(false);
+  return t.detach().clone();
+}
+
+}  // namespace
+
+ExternalReads::Read* ExternalReads::find(const at::Tensor& t) {
+  auto it = reads_.find(t.unsafeGetTensorImpl());
+  if (it == reads_.end()) return nullptr;
+  // The address may belong to a new tensor now: the record is for the one it referred to.
+  if (it->second.ref.expired() || it->second.ref._unsafe_get_target() != t.unsafeGetTensorImpl()) {
+    return nullptr;
+  }
+  return &it->second;
+}
+
+void ExternalReads::note(const at::Tensor& t, int64_t op_key) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (produced_.count(impl)) return;
+  auto it = reads_.find(impl);
+  if (it != reads_.end() && !it->second.ref.expired()) return;
+  Read r(t);
+  r.version = t._version();
+  r.op_key = op_key;
+  reads_.insert_or_assign(impl, std::move(r));
+}
+
+void ExternalReads::forward_inputs(int64_t op_key, c10::ArrayRef<c10::IValue> args,
+                                   const std::vector<int>& writes) {
+  if (forward_over_) return;
+  for (const auto& v : args) for_tensors(v, [&](const at::Tensor& t) { note(t, op_key); });
+  for (int i : writes) {
+    if (i >= 0 && static_cast<size_t>(i) < args.size()) {
+      for_tensors(args[i], [&](const at::Tensor& t) { before_write(t); });
+    }
+  }
+}
+
+void ExternalReads::before_write(const at::Tensor& t) {
+  Read* rec = find(t);
+  at::Tensor target = t;
+  if (rec == nullptr) {
+    if (!t.is_view()) return;
+    target = t._base();
+    if (!target.defined() || (rec = find(target)) == nullptr) return;
+  }
+  if (rec->snap != Snap::kNone) return;
+  if (target._version() == rec->version) {
+    rec->snapshot = copy_of(target);
+    rec->snap = Snap::kValue;
+  } else {
+    rec->snap = Snap::kLost;
+  }
+}
+
+void ExternalReads::forward_outputs(c10::ArrayRef<c10::IValue> outputs) {
+  if (forward_over_) return;
+  for (const auto& v : outputs) {
+    for_tensors(v, [&](const at::Tensor& t) { produced_.insert(t.unsafeGetTensorImpl()); });
+  }
+}
+
+void ExternalReads::end_forward() {
+  forward_over_ = true;
+  produced_.clear();  // only needed to tell external tensors apart
+  produced_.rehash(0);
+  for (auto& [impl, rec] : reads_) {
+    if (rec.snap != Snap::kNone) continue;
+    auto t = rec.ref.lock();
+    if (t && t->version_counter().current_version() != rec.version) rec.snap = Snap::kUndeclared;
+  }
+}
+
+int64_t ExternalReads::written() const {
+  int64_t n = 0;
+  for (const auto& [impl, rec] : reads_) n += rec.snap != Snap::kNone;
+  return n;
+}
+
+std::string ExternalReads::name(const at::Tensor& t) const {
+  if (describe_) return describe_(t);
+  std::ostringstream os;
+  os << "a tensor from outside the region (shape " << t.sizes() << ", " << t.scalar_type()
+     << ")";
+  return os.str();
+}
+
+std::string ExternalReads::modified_message(const at::Tensor& t, int64_t op_key,
+                                            uint32_t version) const {
+  std::ostringstream os;
+  os << "the recompute of a checkpoint region reads " << name(t) << " (in "
+     << OpNames::name(op_key) << "), which was modified in place after the region's forward "
+     << "read it (version " << version << " -> " << t._version() << "). Backward would "
+     << "compute its gradients from a different value than forward used. Modify it after "
+     << "backward (or before the forward), or clone it and let the region read the clone.";
+  return os.str();
+}
+
+void ExternalReads::begin_recompute() {
+  shadows_.clear();
+  for (auto& [impl, rec] : reads_) {
+    if (rec.snap == Snap::kValue || rec.snap == Snap::kLost) continue;
+    auto p = rec.ref.lock();
+    if (!p) continue;
+    const at::Tensor t(std::move(p));
+    if (rec.snap == Snap::kNone) {
+      HP_CHECK(t._version() == rec.version, modified_message(t, rec.op_key, rec.version));
+    } else {
+      HP_CHECK(false, "the recompute of a checkpoint region needs the value that ", name(t),
+               " had when ", OpNames::name(rec.op_key), " read it in the region's forward, "
+               "but an op of that forward modified it without declaring the write in its "
+               "schema (e.g. a custom kernel), so the value was not kept (version ",
+               rec.version, " -> ", t._version(), "). Declare the write in the op's schema "
+               "(Tensor(a!)), or move that update out of the checkpointed function.");
+    }
+  }
+}
+
+at::Tensor ExternalReads::resolve(const at::Tensor& t, int64_t op_key) {
+  Read* rec = find(t);
+  if (rec == nullptr) return t;
+  switch (rec->snap) {
+    case Snap::kNone:
+      HP_CHECK(t._version() == rec->version, modified_message(t, op_key, rec->version));
+      return t;
+    case Snap::kLost:
+    case Snap::kUndeclared:
+      HP_CHECK(false, "the recompute of a checkpoint region needs the value that ", name(t),
+               " had when the region's forward first read it, but the forward modified it "
+               "through another tensor before writing it, so that value was not kept. Write it "
+               "through one tensor (not a view and its base), or move the write out of the "
+               "checkpointed function.");
+    case Snap::kValue:
+      break;
+  }
+  auto it = shadows_.find(t.unsafeGetTensorImpl());
+  if (it == shadows_.end()) {
+    it = shadows_.emplace(t.unsafeGetTensorImpl(), copy_of(rec->snapshot)).first;
+  }
+  return it->second;
+}
+
+void ExternalReads::recompute_args(int64_t op_key, std::vector<c10::IValue>& stack, size_t n) {
+  if (reads_.empty()) return;
+  for (size_t i = stack.size() - n; i < stack.size(); ++i) {
+    const c10::IValue v = stack[i];
+    c10::IValue& slot = stack[i];
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      if (!t.defined()) continue;
+      at::Tensor r = resolve(t, op_key);
+      if (!r.is_same(t)) slot = std::move(r);
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      c10::List<at::Tensor> out;
+      bool changed = false;
+      out.reserve(list.size());
+      for (const at::Tensor& t : list) {
+        at::Tensor r = t.defined() ? resolve(t, op_key) : t;
+        changed |= !r.is_same(t);
+        out.push_back(std::move(r));
+      }
+      if (changed) slot = std::move(out);
+    } else if (v.isList()) {
+      // Tensor?[] (e.g. index): one level of optional tensors.
+      auto list = v.toList();
+      bool any = false;
+      for (const c10::IValue& u : list) any |= u.isTensor();
+      if (!any) continue;
+      c10::impl::GenericList out(list.elementType());
+      bool changed = false;
+      for (const c10::IValue& u : list) {
+        if (u.isTensor() && u.toTensor().defined()) {
+          at::Tensor r = resolve(u.toTensor(), op_key);
+          changed |= !r.is_same(u.toTensor());
+          out.push_back(std::move(r));
+        } else {
+          out.push_back(u);
+        }
+      }
+      if (changed) slot = std::move(out);
+    }
+  }
+}
+
+}  // namespace hyper_parallel::activation

@@ -1,0 +1,96 @@
+#pragma once
+// ExternalReads: the tensors one checkpoint region invocation reads from outside itself,
+// for the C++ interception path of selective checkpoint (OpInterceptor.h). The same
+// record as the Python layer's ExternalTensors (src/.../_external.py; docs/design.md,
+// "Recompute and state outside the region"), kept per op without a Python call:
+//
+//   * forward: a tensor input that no earlier op of the region produced is external; its
+//     version is noted at the first read (a weak reference, no copy). Right before an op
+//     writes an external tensor (or a view of one) its value is copied (copy on write:
+//     only written state costs memory, e.g. BatchNorm's running statistics);
+//   * recompute: reads of a written external tensor are redirected to a private copy of
+//     the value forward read (the recompute's writes go there and are dropped); reads of
+//     any other external tensor check that its version is still the one forward saw, and
+//     raise otherwise (backward would compute from a different value).
+//
+// Tensors are identified by their TensorImpl (a Python tensor object and its TensorImpl
+// are one to one), guarded by a weak reference against address reuse.
+//
+// Errors: c10::Error ("hyper_parallel: ...", RuntimeError in Python); `describe(t)` (may
+// be empty) names a tensor in them (e.g. "buffer 'bn.running_mean'").
+//
+// Thread-safety: none; one invocation is used by one thread at a time (its forward, then
+// the thread that recomputes it). Helper copies (clone) are made by the caller's thread
+// and must run with the interception key excluded (OpInterceptor does).
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace hyper_parallel::activation {
+
+class ExternalReads {
+ public:
+  using Describe = std::function<std::string(const at::Tensor&)>;
+  explicit ExternalReads(Describe describe = nullptr) : describe_(std::move(describe)) {}
+
+  // --- forward ------------------------------------------------------------------------
+  // Before op `op_key` (OpNames) runs with arguments `args` (boxed, schema order): notes
+  // external inputs and copies each external tensor that the arguments at schema positions
+  // `writes` are about to write.
+  void forward_inputs(int64_t op_key, c10::ArrayRef<c10::IValue> args,
+                      const std::vector<int>& writes);
+  // After the op ran: its outputs are the region's own tensors.
+  void forward_outputs(c10::ArrayRef<c10::IValue> outputs);
+  // The forward is over. An external tensor whose version moved although no op declared a
+  // write to it was written by an op that does not say so (its value is unknown).
+  void end_forward();
+  // External tensors the forward wrote (a copy of each is kept).
+  int64_t written() const;
+
+  // --- recompute ----------------------------------------------------------------------
+  // Starts a recompute pass. Throws when an external tensor forward read and did not write
+  // was modified since, or when one was written by an undeclared write.
+  void begin_recompute();
+  // Rewrites the `n` arguments at the end of `stack` in place: written external tensors
+  // become this pass's private copy of the value forward read. Throws when an external
+  // tensor was modified after forward read it, or when its value was not kept.
+  void recompute_args(int64_t op_key, std::vector<c10::IValue>& stack, size_t n);
+
+  size_t reads() const { return reads_.size(); }
+
+ private:
+  enum class Snap : uint8_t { kNone, kValue, kLost, kUndeclared };
+  struct Read {
+    explicit Read(const at::Tensor& t) : ref(t.getIntrusivePtr()) {}
+    c10::weak_intrusive_ptr<c10::TensorImpl> ref;
+    uint32_t version = 0;
+    Snap snap = Snap::kNone;
+    at::Tensor snapshot;  // kValue: the value forward read, kept before its first write
+    int64_t op_key = -1;  // the op that read it first
+  };
+
+  void note(const at::Tensor& t, int64_t op_key);
+  void before_write(const at::Tensor& t);
+  Read* find(const at::Tensor& t);
+  // `t` as the recompute must read it (itself, or the private copy); throws as documented.
+  at::Tensor resolve(const at::Tensor& t, int64_t op_key);
+  std::string name(const at::Tensor& t) const;
+  std::string modified_message(const at::Tensor& t, int64_t op_key, uint32_t version) const;
+
+  Describe describe_;
+  std::unordered_map<const c10::TensorImpl*, Read> reads_;
+  std::unordered_set<const c10::TensorImpl*> produced_;
+  bool forward_over_ = false;
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> shadows_;
+};
+
+}  // namespace hyper_parallel::activation
