@@ -695,7 +695,9 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
     Returns:
         A tuple of two context managers sharing one region state: TorchDispatchModes for
         a callable policy, C++-intercepted contexts for a list or dict (no Python call per
-        op) where this torch allows it (``_selective.NATIVE``).
+        op) where this torch allows it (``_selective.NATIVE``). Called while torch.compile
+        traces (torch's checkpoint compiled with this ``context_fn``): torch's own
+        selective-checkpoint modes deciding with this policy, the only ones torch compiles.
 
     Raises:
         ValueError, TypeError: as :func:`checkpoint` does for a bad ``policy_fn``, and
@@ -705,8 +707,16 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
         raise TypeError("hyper_parallel: create_selective_checkpoint_contexts needs a policy "
                         "function or a list of ops; got None.")
     check_bool("allow_cache_entry_mutation", allow_cache_entry_mutation)
-    return region_context_fn(compile_policy(policy_fn_or_list), None,
-                             allow_cache_entry_mutation)()
+    policy = compile_policy(policy_fn_or_list)
+    if torch.compiler.is_compiling():
+        # Traced (torch.compile of torch's checkpoint with this context_fn): torch compiles
+        # only its own selective-checkpoint modes, so hand it those, deciding with our
+        # policy (docs/design.md, "torch.compile").
+        from ._compile import _TorchPolicy
+
+        return torch.utils.checkpoint.create_selective_checkpoint_contexts(
+            _TorchPolicy(policy), allow_cache_entry_mutation)
+    return region_context_fn(policy, None, allow_cache_entry_mutation)()
 
 
 def check_bool(name: str, value) -> None:

@@ -190,3 +190,32 @@ def test_functional_checkpoint_options_are_checked_under_compile():
     f = torch.compile(lambda x: checkpoint(block, x, use_reentrant=True), backend="aot_eager")
     with pytest.raises(Exception, match="always non-reentrant"):
         f(torch.randn(2, 8, requires_grad=True))
+
+
+@pytest.mark.parametrize("form", ["list", "callable"])
+def test_our_contexts_given_to_torchs_checkpoint_under_compile(form):
+    """torch.compile over torch's own checkpoint with context_fn = our
+    create_selective_checkpoint_contexts: traced, torch's own selective modes decide with
+    our policy (eager regions of this form are intercepted in C++ or by our modes, which
+    torch cannot compile); gradients and saving as torch's own contexts give."""
+    from hyper_parallel.core.activation_checkpoint import create_selective_checkpoint_contexts
+
+    def ours_callable(ctx, op, *args, **kwargs):
+        return P.MUST_SAVE if op is aten.addmm.default else P.PREFER_RECOMPUTE
+
+    ours = [aten.addmm.default] if form == "list" else ours_callable
+
+    def torchs(ctx, op, *args, **kwargs):
+        return TP.MUST_SAVE if op is aten.addmm.default else TP.PREFER_RECOMPUTE
+
+    results = []
+    for contexts in (functools.partial(create_selective_checkpoint_contexts, ours),
+                     functools.partial(torch_checkpoint.create_selective_checkpoint_contexts,
+                                       torchs)):
+        fresh()
+        block, _ = twin_block()
+        step = torch.compile(lambda x, block=block, contexts=contexts: torch_checkpoint.checkpoint(
+            block, x, use_reentrant=False, context_fn=contexts), backend="aot_eager")
+        results.append(train_steps(step, torch.randn(4, 8), params=block.parameters()))
+    assert_same(results[0], results[1])
+    assert results[0][3] == results[1][3]  # the same saved bytes
