@@ -159,34 +159,31 @@ def contexts():
     return _Forward(state), _Recompute(state)
 
 
+def _marked(function, mark: str):
+    """``function`` with the per-thread counter ``mark`` raised while it runs."""
+
+    def run(*args):
+        _tls.__dict__[mark] = _tls.__dict__.get(mark, 0) + 1
+        try:
+            return function(*args)
+        finally:
+            _tls.__dict__[mark] -= 1
+
+    return run
+
+
 def reentrant_call(function):
     """``function`` marked, while it runs, as the body of a ``use_reentrant=True``
     checkpoint (torch's reentrant frame: no recompute state, the whole body replayed in
     backward), so that an exclusion region inside can refuse to run."""
-
-    def run(*args):
-        _tls.reentrant = _tls.__dict__.get("reentrant", 0) + 1
-        try:
-            return function(*args)
-        finally:
-            _tls.reentrant -= 1
-
-    return run
+    return _marked(function, "reentrant")
 
 
 def debug_call(function):
     """``function`` marked, while it runs, as the body of a checkpoint in torch's debug
     mode (torch's frame with its own contexts: no recompute state of ours), so that an
     exclusion region inside can say that it will run again in recompute."""
-
-    def run(*args):
-        _tls.debug = _tls.__dict__.get("debug", 0) + 1
-        try:
-            return function(*args)
-        finally:
-            _tls.debug -= 1
-
-    return run
+    return _marked(function, "debug")
 
 
 def in_debug_region() -> bool:
