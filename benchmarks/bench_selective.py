@@ -117,24 +117,33 @@ def _ours(blocks, **kwargs):
     return lambda block, h: wrapped[index[id(block)]](h)
 
 
-def _measure(blocks, x, callers: dict, rounds: int, warmup: int):
+def _train_step(blocks, x, call=None, return_grads=True):
+    """One forward + backward of ``blocks`` on ``x`` (``call(block, h)`` runs a block;
+    ``None``: plainly); with ``return_grads`` the step returns copies of the parameter and
+    input gradients (else nothing, so a timed step pays no copies)."""
     params = list(blocks.parameters())
 
-    def step_of(call):
-        def step():
-            for p in params:
-                p.grad = None
-            x.grad = None
-            h = x
-            for block in blocks:
-                h = block(h) if call is None else call(block, h)
-            h.pow(2).mean().backward()
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        h = x
+        for block in blocks:
+            h = block(h) if call is None else call(block, h)
+        h.pow(2).mean().backward()
+        if return_grads:
+            return [p.grad.clone() for p in params] + [x.grad.clone()]
+        return None
 
-        return step
+    return step
+
+
+def _measure(blocks, x, callers: dict, rounds: int, warmup: int):
+    def step_of(call):
+        return _train_step(blocks, x, call, return_grads=False)
 
     def grads(call):
-        step_of(call)()
-        return [p.grad.clone() for p in params] + [x.grad.clone()]
+        return _train_step(blocks, x, call)()
 
     ref = grads(None)
     same = {name: all(torch.equal(a, b) for a, b in zip(ref, grads(c)))
@@ -186,20 +195,8 @@ def run_fit(args) -> dict:
                 "ours callable": "ours full checkpoint"}
     steps, same = {}, {}
     for k, blocks in chains.items():
-        params = list(blocks.parameters())
-
-        def step_of(call, blocks=blocks, params=params):
-            def step():
-                for p in params:
-                    p.grad = None
-                x.grad = None
-                h = x
-                for block in blocks:
-                    h = call(block, h)
-                h.pow(2).mean().backward()
-                return [p.grad.clone() for p in params] + [x.grad.clone()]
-
-            return step
+        def step_of(call, blocks=blocks):
+            return _train_step(blocks, x, call)
 
         ref = None
         for n, make in makers.items():
