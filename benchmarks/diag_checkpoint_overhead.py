@@ -4,10 +4,10 @@ checkpoint goes, by ablation on the tiny Llama-style stack of bench_checkpoint.p
 Variants, interleaved with torch's checkpoint as the reference:
 
 * ``ours``: ``checkpoint(layer, ...)`` as shipped;
-* ``cached state``: ``module_state_tensors`` (the region's parameter/buffer exclusion
-  list, rebuilt by walking the module on every call) memoised per module;
-* ``cached + no region``: additionally the swap ``Region`` replaced by a null context
-  (no C++ group, no pack hook around torch's frame): what remains is the Python glue.
+* ``no region``: the swap ``Region`` replaced by a null context (no C++ group, no pack
+  hook around torch's frame): what remains is the Python glue. (A checkpoint region
+  excludes no module state, and a swap region walks it in C++ since issue 17, so there
+  is no parameter walk left to ablate.)
 
 It monkeypatches private names of hyper_parallel for the duration of each step, so it
 may need updating when those change. Usage:
@@ -30,7 +30,6 @@ from _common import (  # noqa: E402
 from _models import LlamaStack  # noqa: E402
 
 import hyper_parallel.core.activation_checkpoint._checkpoint as _ck  # noqa: E402
-import hyper_parallel.core.activation_checkpoint._swap as _sw  # noqa: E402
 from hyper_parallel.core.activation_checkpoint import checkpoint  # noqa: E402
 
 
@@ -59,24 +58,16 @@ def main(argv=None) -> None:
     model = LlamaStack(layers, 32, 4, 2, 88, 16)
     x = torch.randn(1, 16, 32, requires_grad=True)
 
-    original_state, original_region = _sw.module_state_tensors, _ck.Region
-    memo: dict = {}
+    original_region = _ck.Region
 
-    def cached_state(obj):
-        if id(obj) not in memo:
-            memo[id(obj)] = original_state(obj)
-        return memo[id(obj)]
-
-    def step_of(call_layer, cache=False, null_region=False):
+    def step_of(call_layer, null_region=False):
         def step():
-            if cache:
-                _sw.module_state_tensors = cached_state
             if null_region:
                 _ck.Region = _NullRegion
             try:
                 model(x, call_layer).float().pow(2).mean().backward()
             finally:
-                _sw.module_state_tensors, _ck.Region = original_state, original_region
+                _ck.Region = original_region
 
         return step
 
@@ -85,8 +76,7 @@ def main(argv=None) -> None:
         "torch": step_of(lambda i, layer, h, c, s: tc.checkpoint(layer, h, c, s,
                                                                  use_reentrant=False)),
         "ours": step_of(ours),
-        "ours, cached state": step_of(ours, cache=True),
-        "ours, cached state + no region": step_of(ours, cache=True, null_region=True),
+        "ours, no region": step_of(ours, null_region=True),
     }
     times = interleaved(steps, rounds=args.rounds, warmup=3)
     rows = []

@@ -10,9 +10,11 @@
 
 #include "Bindings.h"
 
+#include "hyper_parallel/activation/HostBufferPool.h"
 #include "hyper_parallel/activation/SwapEngine.h"
 #include "hyper_parallel/common/Macros.h"
 
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/node.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -125,10 +127,28 @@ class RegionToken {
   std::shared_ptr<RegionState> state_;
 };
 
+// True when the innermost saved-tensor hooks of this thread are torch.utils.checkpoint's
+// (the frame our checkpoint regions are built on): such a frame recomputes what is saved
+// inside it, so no region may hide its hook with ours (_region.in_checkpoint_forward).
+bool under_checkpoint_frame() {
+  py::object top = hook_stack().top(false);
+  if (top.is_none()) return false;
+  py::object pack = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(top.ptr(), 0));
+  py::object module = py::getattr(pack, "__module__", py::none());
+  return PyUnicode_Check(module.ptr()) &&
+         PyUnicode_CompareWithASCIIString(module.ptr(), "torch.utils.checkpoint") == 0;
+}
+
+// `exclude`: tensors never swapped by this invocation (None: none); `state_module`: an
+// nn.Module whose parameters and buffers are never swapped (None: none); `pool`: the
+// HostPool of this invocation's host blocks (None: the engine's; ignored when joined);
+// `push` with `auto_push`: push only when grad mode is on and no torch checkpoint frame's
+// hooks are innermost (what _region.Region decides in Python).
 std::shared_ptr<RegionToken> region_enter(int64_t layer, const std::string& name, bool manual,
                                           bool group_swap, const py::object& exclude,
                                           const py::object& pack_mode, const py::object& policy_fn,
-                                          bool push) {
+                                          bool push, const py::object& pool,
+                                          const py::object& state_module, bool auto_push) {
   SwapEngine& engine = SwapEngine::global();
   if (t_scanned_epoch != stale_epoch()) pop_stale_hooks();
   std::shared_ptr<RegionToken> token;
@@ -142,9 +162,12 @@ std::shared_ptr<RegionToken> region_enter(int64_t layer, const std::string& name
                                           /*joined=*/false);
   }
   try {
-    if (!exclude.is_none()) {
-      py::cast(token->group()).attr("exclude")(exclude);  // SwapGroup.exclude (DTensor-aware)
+    if (!exclude.is_none()) exclude_tensors(*token->group(), exclude);  // DTensor-aware
+    if (!state_module.is_none()) exclude_module_state(*token->group(), state_module);
+    if (!pool.is_none() && !token->joined()) {
+      token->group()->host_pool = pool.cast<std::shared_ptr<HostBufferPool>>();
     }
+    if (push && auto_push) push = at::GradMode::is_enabled() && !under_checkpoint_frame();
     if (push && !pack_mode.is_none()) {
       const HookStack& hs = hook_stack();
       py::object hook = make_pack_hook(pack_mode.cast<PackMode>(), policy_fn, token->state());
@@ -165,6 +188,7 @@ std::shared_ptr<RegionToken> region_enter(int64_t layer, const std::string& name
 // diagnostics to look at (a skipped tensor, a forward against the chain).
 constexpr int kExitUnscheduled = 1;
 constexpr int kExitDiagnose = 2;
+constexpr int kExitAttached = 4;
 
 // Idempotent: a second exit (or the exit of a region reset() made stale) does nothing
 // beyond popping its hook.
@@ -184,7 +208,12 @@ void pop_own_hook(const RegionToken& token) {
   pop_stale_hooks();
 }
 
-int region_exit(RegionToken& token, bool ok) {
+int attach_backward(const std::shared_ptr<SwapGroup>& group, const py::handle& outputs);
+
+// With `outputs` (not None) and `ok`, also attaches the backward start to the outputs'
+// nodes (attach_backward) when the region has a backward to start: not joined, and
+// scheduled or holding records. kExitAttached tells the caller it did.
+int region_exit(RegionToken& token, bool ok, const py::object& outputs) {
   if (!token.open()) return 0;
   token.close();
   if (token.pushed()) pop_own_hook(token);
@@ -197,6 +226,10 @@ int region_exit(RegionToken& token, bool ok) {
   int flags = engine.end_forward(token.group()) ? kExitUnscheduled : 0;
   const SwapGroup& g = *token.group();
   if (g.order_reversed || !g.skipped_keys.empty()) flags |= kExitDiagnose;
+  if (!outputs.is_none() && (g.layer() >= 0 || !g.records().empty())) {
+    attach_backward(token.group(), outputs);
+    flags |= kExitAttached;
+  }
   return flags;
 }
 
@@ -276,13 +309,18 @@ void bind_region(py::module_& m) {
       .def_property_readonly("open", &RegionToken::open);
   m.def("region_enter", &region_enter, py::arg("layer"), py::arg("name"), py::arg("manual"),
         py::arg("group_swap"), py::arg("exclude"), py::arg("pack_mode"), py::arg("policy_fn"),
-        py::arg("push"),
-        "Begins (or joins) the group of one layer invocation, excludes `exclude`'s storages and, "
-        "with `push`, pushes the engine's saved-tensor hooks, all in one call.");
+        py::arg("push"), py::arg("pool") = py::none(), py::arg("state_module") = py::none(),
+        py::arg("auto_push") = false,
+        "Begins (or joins) the group of one layer invocation, excludes `exclude`'s storages and "
+        "those of `state_module`'s parameters and buffers, sets its host `pool` and, with "
+        "`push`, pushes the engine's saved-tensor hooks, all in one call (`auto_push`: only "
+        "when grad mode is on and no torch checkpoint frame is innermost).");
   m.def("region_exit", &region_exit, py::arg("token"), py::arg("ok"),
-        "Pops the region's hooks and ends (`ok`) or aborts its group, in one call. Returns bit "
-        "flags: 1 the region was unscheduled and held records, 2 its group has skipped "
-        "tensors or ran against the chain (for the diagnostics).");
+        py::arg("outputs") = py::none(),
+        "Pops the region's hooks and ends (`ok`) or aborts its group, in one call; with "
+        "`outputs`, attaches the backward start to their nodes. Returns bit flags: 1 the "
+        "region was unscheduled and held records, 2 its group has skipped tensors or ran "
+        "against the chain (for the diagnostics), 4 the backward start was attached.");
   m.def("pop_stale_hooks", &pop_stale_hooks,
         "Pops this thread's saved-tensor hooks of regions that were left without their exit.");
   m.def("attach_backward", &attach_backward, py::arg("group"), py::arg("outputs"),

@@ -8,6 +8,8 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <vector>
+
 namespace py = pybind11;
 
 namespace hyper_parallel::bindings {
@@ -225,6 +227,78 @@ py::object unpack_hook(const py::object& obj) {
 
 }  // namespace
 
+namespace {
+
+void exclude_one(SwapGroup& g, const py::handle& obj) {
+  if (!THPVariable_Check(obj.ptr())) return;
+  // A DTensor parameter's data is its local tensor's storage.
+  at::Tensor t = is_dtensor(obj) ? dtensor_local(obj) : THPVariable_Unpack(obj.ptr());
+  if (t.defined() && t.has_storage()) g.excluded.insert(t.storage().unsafeGetStorageImpl());
+}
+
+// The attribute names nn.Module keeps its state under, interned once (leaked on purpose:
+// they must outlive every module).
+struct ModuleKeys {
+  PyObject* parameters;
+  PyObject* buffers;
+  PyObject* modules;
+};
+
+const ModuleKeys& module_keys() {
+  static const ModuleKeys keys{PyUnicode_InternFromString("_parameters"),
+                               PyUnicode_InternFromString("_buffers"),
+                               PyUnicode_InternFromString("_modules")};
+  return keys;
+}
+
+// The dict `key` in the instance dict `dict` of a module (nullptr when absent).
+PyObject* module_dict_entry(PyObject* dict, PyObject* key) {
+  PyObject* entry = PyDict_GetItem(dict, key);  // borrowed
+  return (entry != nullptr && PyDict_Check(entry)) ? entry : nullptr;
+}
+
+// `seen`: the modules walked so far (a submodule shared by two parents is walked once; a
+// transformer block has tens of modules, so a linear scan beats a hash set).
+void exclude_module_tree(SwapGroup& g, PyObject* module, std::vector<PyObject*>& seen,
+                         int depth) {
+  for (PyObject* m : seen) {
+    if (m == module) return;
+  }
+  seen.push_back(module);
+  HP_CHECK(depth < 1000, "the module tree given to a swap region is more than 1000 levels "
+           "deep (a cycle in _modules?); check the model's submodule structure.");
+  PyObject** dict_ptr = _PyObject_GetDictPtr(module);
+  if (dict_ptr == nullptr || *dict_ptr == nullptr) return;
+  PyObject* dict = *dict_ptr;
+  const ModuleKeys& keys = module_keys();
+  for (PyObject* state : {keys.parameters, keys.buffers}) {
+    if (PyObject* entries = module_dict_entry(dict, state)) {
+      PyObject *key, *value;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next(entries, &pos, &key, &value)) exclude_one(g, value);
+    }
+  }
+  if (PyObject* children = module_dict_entry(dict, keys.modules)) {
+    PyObject *key, *child;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(children, &pos, &key, &child)) {
+      if (child != Py_None) exclude_module_tree(g, child, seen, depth + 1);
+    }
+  }
+}
+
+}  // namespace
+
+void exclude_tensors(SwapGroup& group, const py::handle& tensors) {
+  for (const auto& obj : tensors) exclude_one(group, obj);
+}
+
+void exclude_module_state(SwapGroup& group, const py::handle& module) {
+  std::vector<PyObject*> seen;
+  seen.reserve(32);
+  exclude_module_tree(group, module.ptr(), seen, 0);
+}
+
 py::object make_pack_hook(PackMode mode, py::object policy_fn, std::shared_ptr<RegionState> state) {
   return py::cast(PackHook(mode, std::move(policy_fn), std::move(state)));
 }
@@ -296,14 +370,13 @@ void bind_swap(py::module_& m) {
         for (const auto& r : g.records()) out.emplace_back(to_string(r->state()));
         return out;
       })
-      .def("exclude", [](SwapGroup& g, const py::iterable& tensors) {
-        for (const auto& obj : tensors) {
-          if (!THPVariable_Check(obj.ptr())) continue;
-          // A DTensor parameter's data is its local tensor's storage.
-          at::Tensor t = is_dtensor(obj) ? dtensor_local(obj) : THPVariable_Unpack(obj.ptr());
-          if (t.defined() && t.has_storage()) g.excluded.insert(t.storage().unsafeGetStorageImpl());
-        }
-      }, py::arg("tensors"), "Never swap the storages of these tensors in this invocation.");
+      .def("exclude", [](SwapGroup& g, const py::iterable& tensors) { exclude_tensors(g, tensors); },
+           py::arg("tensors"), "Never swap the storages of these tensors in this invocation.")
+      .def("exclude_module_state",
+           [](SwapGroup& g, const py::handle& module) { exclude_module_state(g, module); },
+           py::arg("module"),
+           "Never swap the storages of the parameters and buffers of `module` (an nn.Module, "
+           "submodules included) in this invocation.");
 
   py::class_<HostBufferPool, std::shared_ptr<HostBufferPool>>(m, "HostPool",
       "A host buffer pool of its own, capped at max_host_bytes (PinnedMemoryPool).")

@@ -395,7 +395,7 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         return torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
     # Parameters are never packed (eligibility) and buffers are never region inputs or op
     # outputs, so a checkpoint region needs no exclusion list (a per-call module walk).
-    node, name, _ = resolve_layer(function, with_state=False)
+    node, name, _ = resolve_layer(function)
     if node is None and not swap_inputs and _C.current_group() is None:
         if policy is None or not policy.may_swap:
             # Nothing here can join a swap group or the schedule: torch's frame alone.

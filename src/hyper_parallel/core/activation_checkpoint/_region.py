@@ -59,13 +59,15 @@ class Region:
             (only storages registered with the group) or ``None`` (push no hooks).
         policy_fn: per-tensor swap policy (``SWAP_ALL`` only), or ``None``.
         group_swap: fuse small tensors of the group into few copies.
-        exclude: tensors whose storages are never swapped (the module's parameters and
-            buffers).
+        exclude: tensors whose storages are never swapped.
+        manual: a group of the manual API (``SwapManager().group_context``).
         cpu_pool: the C++ host pool (``PinnedMemoryPool``'s) for this invocation's host
             blocks, or ``None`` for the engine's pool; ignored when the region joins an
             enclosing layer's group.
         quiet: do not warn when the region is in no prefetch schedule
             (``async_save_on_cpu``: reloading on demand is what it asks for).
+        state_module: an ``nn.Module`` whose parameters and buffers (submodules included)
+            are never swapped; walked in C++ on entry (csrc/bindings/BindSwap.cpp).
 
     A region in no schedule that runs inside the forward of a scheduled layer (the user
     guide's ``layer.attn = swap_wrapper(layer.attn)`` with the chain registered over
@@ -74,10 +76,10 @@ class Region:
     """
 
     __slots__ = ("_layer_id", "_name", "_pack_mode", "_policy_fn", "_group_swap",
-                 "_exclude", "_manual", "_token", "_cpu_pool", "_quiet", "_group", "_joined")
+                 "_exclude", "_manual", "_token", "_cpu_pool", "_quiet", "_state_module")
 
     def __init__(self, layer_id=-1, name="", pack_mode=None, policy_fn=None, group_swap=False,
-                 exclude=(), manual=False, cpu_pool=None, quiet=False):
+                 exclude=(), manual=False, cpu_pool=None, quiet=False, state_module=None):
         self._layer_id = layer_id
         self._name = name
         self._pack_mode = pack_mode
@@ -88,13 +90,12 @@ class Region:
         self._token = None
         self._cpu_pool = cpu_pool
         self._quiet = quiet
-        self._group = None
-        self._joined = False
+        self._state_module = state_module
 
     @property
     def group(self):
         """The swap group of this invocation (``None`` before entry)."""
-        return self._group
+        return self._token.group if self._token is not None else None
 
     # Entry and exit are each ONE C++ call (csrc/bindings/BindRegion.cpp): the group push,
     # the parameter exclusion and the hook push cannot be separated by a Python exception.
@@ -102,46 +103,23 @@ class Region:
     # its destructor, and its hook passes everything through until the next region call
     # pops it (docs/design.md, "Regions and threads").
     def __enter__(self):
-        push = (self._pack_mode is not None and torch.is_grad_enabled()
-                and not in_checkpoint_forward())
-        try:
-            token = self._token = _C.region_enter(self._layer_id, self._name, self._manual,
-                                                  self._group_swap, self._exclude or None,
-                                                  self._pack_mode, self._policy_fn, push)
-            self._group = token.group
-            self._joined = token.joined
-            if self._cpu_pool is not None and not self._joined:
-                _C.set_group_pool(self._group, self._cpu_pool)
-            return self
-        except BaseException:
-            if self._token is not None:
-                _C.region_exit(self._token, False)
-            raise
+        self._token = _C.region_enter(self._layer_id, self._name, self._manual,
+                                      self._group_swap, self._exclude or None, self._pack_mode,
+                                      self._policy_fn, True, self._cpu_pool, self._state_module,
+                                      True)
+        return self
 
     def __exit__(self, exc_type, exc, tb):
-        if self._token is None:
+        token = self._token
+        if token is None:
             return False
-        ok = exc_type is None
-        flags = _C.region_exit(self._token, ok)  # 1: unscheduled with records, 2: diagnose
-        if ok and not self._joined:
-            sample_active_meter()
-            if flags & 2:
-                after_forward(self._group, self._name)
-        if flags & 1 and not self._quiet:
-            self._warn_unscheduled()
+        if exc_type is not None:
+            _C.region_exit(token, False)
+            return False
+        flags = _C.region_exit(token, True)  # 1: unscheduled with records, 2: diagnose
+        if flags or meter_active():
+            finish_flags(token, flags, self._name, self._quiet)
         return False
-
-    def _warn_unscheduled(self) -> None:
-        if self._name in _warned_unscheduled:
-            return
-        _warned_unscheduled.add(self._name)
-        warnings.warn(
-            f"hyper_parallel: swap region '{self._name}' is not part of a prefetch "
-            "schedule, so its activations are offloaded at the end of its forward and "
-            "reloaded only when its own backward starts, without overlap. Register the layer "
-            "order with SwapManager().set_forward_prefetch_layer(prev_layer, next_layer).",
-            stacklevel=4,
-        )
 
     def attach_backward(self, outputs) -> None:
         """Starts this invocation's prefetch when the gradient reaches any output.
@@ -149,20 +127,74 @@ class Region:
         The hook is a C++ pre-hook on each output node (no Python call, no handle per
         call); a Python one is used while a saved-activation meter samples region
         boundaries, or under compiled autograd (which takes Python hooks only)."""
-        group = self._group
-        if group is None or self._joined or (self._layer_id < 0 and group.num_records == 0):
+        token = self._token
+        if token is None or token.joined:
+            return
+        group = token.group
+        if self._layer_id < 0 and group.num_records == 0:
             return
         if not meter_active() and not _compiled_autograd_on():
             _C.attach_backward(group, outputs)
             return
-        hook = _BackwardStart(group)
-        seen = set()
-        for t in tree_flatten(outputs)[0]:
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                node = t.grad_fn
-                if id(node) not in seen:
-                    seen.add(id(node))
-                    node.register_prehook(hook)
+        _attach_python(group, outputs)
+
+
+def run_region(layer_id, name, fn, args, kwargs, policy_fn=None, group_swap=False,
+               cpu_pool=None, state_module=None):
+    """``fn(*args, **kwargs)`` in a ``SWAP_ALL`` region, with the backward start attached to
+    its outputs: what ``with Region(...): out = fn(...)`` then ``attach_backward(out)`` does,
+    in two C++ calls and no Python object per call (the swap wrappers' path, issue 17)."""
+    token = _C.region_enter(layer_id, name, False, group_swap, None, SWAP_ALL, policy_fn, True,
+                            cpu_pool, state_module, True)
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException:
+        _C.region_exit(token, False)
+        raise
+    python_hooks = meter_active() or _compiled_autograd_on()
+    flags = _C.region_exit(token, True, None if python_hooks else out)
+    if flags & 3 or python_hooks:
+        finish_flags(token, flags, name, False)
+        if python_hooks and not token.joined:
+            group = token.group
+            if layer_id >= 0 or group.num_records > 0:
+                _attach_python(group, out)
+    return out
+
+
+def finish_flags(token, flags: int, name: str, quiet: bool) -> None:
+    """What follows a successful region exit in Python: the meter's sample, the
+    diagnostics (flag 2) and the unscheduled-region warning (flag 1)."""
+    if not token.joined:
+        sample_active_meter()
+        if flags & 2:
+            after_forward(token.group, name)
+    if flags & 1 and not quiet:
+        _warn_unscheduled(name)
+
+
+def _warn_unscheduled(name: str) -> None:
+    if name in _warned_unscheduled:
+        return
+    _warned_unscheduled.add(name)
+    warnings.warn(
+        f"hyper_parallel: swap region '{name}' is not part of a prefetch "
+        "schedule, so its activations are offloaded at the end of its forward and "
+        "reloaded only when its own backward starts, without overlap. Register the layer "
+        "order with SwapManager().set_forward_prefetch_layer(prev_layer, next_layer).",
+        stacklevel=5,
+    )
+
+
+def _attach_python(group, outputs) -> None:
+    hook = _BackwardStart(group)
+    seen = set()
+    for t in tree_flatten(outputs)[0]:
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            node = t.grad_fn
+            if id(node) not in seen:
+                seen.add(id(node))
+                node.register_prehook(hook)
 
 
 class _BackwardStart:

@@ -10,18 +10,11 @@ from torch.utils._pytree import tree_flatten
 from hyper_parallel._extension import _C
 
 from . import _compile
-from ._backends import backend_for
+from ._backends import backend_for, loaded_frameworks
 from ._host_pool import native_pool
 from ._policy_signature import check_swap_policy
-from ._region import SWAP_ALL, Region, in_backward, in_checkpoint_forward
+from ._region import SWAP_ALL, Region, in_backward, in_checkpoint_forward, run_region
 from ._swap_manager import SwapManager, layer_node
-
-
-def module_state_tensors(obj) -> list:
-    """Parameters and buffers of ``obj`` (an nn.Module), never swapped by its region."""
-    if not isinstance(obj, torch.nn.Module):
-        return []
-    return [*obj.parameters(), *obj.buffers()]
 
 
 def region_name(obj) -> str:
@@ -48,12 +41,9 @@ class LayerCall:
         return self.fn(*args, **kwargs)
 
 
-def resolve_layer(function, with_state: bool = True):
-    """(schedule node or None, region name, tensors never swapped) of a call target.
-
-    ``with_state=False`` skips collecting the module's parameters and buffers (a walk of
-    the module tree): regions that only swap op outputs or registered tensors never see
-    them."""
+def resolve_layer(function):
+    """(schedule node or None, region name, module whose parameters and buffers are never
+    swapped, or None) of a call target."""
     if isinstance(function, LayerCall):
         node = layer_node(function.owner)
         if node is None and function.state_module is None:
@@ -62,7 +52,7 @@ def resolve_layer(function, with_state: bool = True):
         state = function.state_module
     else:
         node, name, state = layer_node(function), region_name(function), function
-    return node, name, (module_state_tensors(state) if with_state else [])
+    return node, name, (state if isinstance(state, torch.nn.Module) else None)
 
 
 def swap(function, *args, policy_fn=None, group_swap=False, cpu_pool=None, **kwargs):
@@ -105,13 +95,30 @@ def swap(function, *args, policy_fn=None, group_swap=False, cpu_pool=None, **kwa
         _refuse_pool_on_backend(cpu_pool, "swap")
         return backend.swap(function, *args, policy_fn=policy_fn, group_swap=group_swap,
                             **kwargs)
-    region = swap_region(function, policy_fn, group_swap, cpu_pool)
-    if region is None:
+    SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP on first use
+    check_swap_policy(policy_fn)
+    pool = native_pool(cpu_pool)
+    if in_backward() or not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    with region:
-        out = function(*args, **kwargs)
-    region.attach_backward(out)
-    return out
+    node, name, state = resolve_layer(function)
+    return run_region(node.layer_id if node is not None else -1, name, function, args, kwargs,
+                      policy_fn, group_swap, pool, state)
+
+
+def swap_call(call: LayerCall, args, kwargs, policy_fn, group_swap, pool):
+    """``swap(call, *args, **kwargs)`` for a swap wrapper, whose options were checked when
+    it was built (``pool``: the native pool or None): the per-layer hot path, with no
+    repeated validation (issue 17)."""
+    if loaded_frameworks():  # another framework's tensors may be in the call
+        backend = backend_for(call, args=args, kwargs=kwargs)
+        if backend is not None:
+            return backend.swap(call, *args, policy_fn=policy_fn, group_swap=group_swap,
+                                **kwargs)
+    if in_backward() or not torch.is_grad_enabled():
+        return call.fn(*args, **kwargs)
+    node, name, state = resolve_layer(call)
+    return run_region(node.layer_id if node is not None else -1, name, call.fn, args, kwargs,
+                      policy_fn, group_swap, pool, state)
 
 
 def swap_region(function, policy_fn=None, group_swap=False, cpu_pool=None) -> Region | None:
@@ -123,9 +130,9 @@ def swap_region(function, policy_fn=None, group_swap=False, cpu_pool=None) -> Re
     pool = native_pool(cpu_pool)
     if in_backward() or not torch.is_grad_enabled():
         return None
-    node, name, excluded = resolve_layer(function)
+    node, name, state = resolve_layer(function)
     return Region(node.layer_id if node is not None else -1, name, SWAP_ALL, policy_fn,
-                  group_swap, excluded, cpu_pool=pool)
+                  group_swap, cpu_pool=pool, state_module=state)
 
 
 _warned_outside = False

@@ -25,7 +25,8 @@ from . import _compile
 from ._backends import wrapper_dispatch
 from ._host_pool import native_pool
 from ._policy_signature import check_swap_policy
-from ._swap import LayerCall, in_backward, swap
+from ._swap import LayerCall, in_backward, swap_call
+from ._swap_manager import SwapManager
 
 _PREFIX = "_checkpoint_wrapped_module"
 _PREFIX_DOT = _PREFIX + "."
@@ -260,6 +261,8 @@ class SwapWrapper(ActivationWrapper):
         self._hp_policy_fn = policy_fn
         self._hp_group_swap = group_swap
         self._hp_cpu_pool = cpu_pool
+        self._hp_native_pool = native_pool(cpu_pool)
+        SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP before the first call
 
     @property
     def checkpoint_kwargs(self) -> dict:
@@ -282,9 +285,8 @@ class SwapWrapper(ActivationWrapper):
             return out
         if in_backward() or not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        return self._hp_call(swap, LayerCall(self, inner, inner), *args,
-                             policy_fn=self._hp_policy_fn, group_swap=self._hp_group_swap,
-                             cpu_pool=self._hp_cpu_pool, **kwargs)
+        return self._hp_call(swap_call, LayerCall(self, inner, inner), args, kwargs,
+                             self._hp_policy_fn, self._hp_group_swap, self._hp_native_pool)
 
 
 def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False, cpu_pool=None):
@@ -322,14 +324,15 @@ def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False, cpu_pool=None):
     _refuse_double_wrap(module_or_fn)
     check_swap_policy(policy_fn)
 
+    pool = native_pool(cpu_pool)
+    SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP before the first call
+
     @functools.wraps(module_or_fn)
     def wrapped(*args, **kwargs):
-        return swap(wrapped_target, *args, policy_fn=policy_fn, group_swap=group_swap,
-                    cpu_pool=cpu_pool, **kwargs)
+        return swap_call(wrapped_target, args, kwargs, policy_fn, group_swap, pool)
 
     wrapped_target = LayerCall(wrapped, module_or_fn)
     wrapped._hp_wrapped_fn = module_or_fn
-    native_pool(cpu_pool)
     wrapped.checkpoint_kwargs = {"policy_fn": policy_fn, "group_swap": group_swap,
                                  "cpu_pool": cpu_pool}
     wrapped.policy_fn = policy_fn

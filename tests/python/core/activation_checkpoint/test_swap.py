@@ -205,6 +205,54 @@ def test_parameters_and_buffers_never_swapped(cpu_swap, dev):
     loss.backward()
 
 
+class _FrozenBlock(nn.Module):
+    """State autograd saves that only the module walk can exclude: a frozen weight of a
+    submodule reached twice (shared), a grandchild's buffer, and a buffer of the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.proj.weight.requires_grad_(False)
+        self.again = self.proj  # the same submodule under a second name
+        self.deep = nn.Sequential(nn.Module())
+        self.deep[0].register_buffer("gain", torch.linspace(0.5, 1.5, 16))
+        self.register_buffer("scale", torch.full((16,), 2.0))
+        self.register_module("empty", None)  # a None entry of _modules
+
+    def forward(self, x):
+        h = self.again(self.proj(x)) * self.scale  # mul saves the buffer
+        return torch.sin(h * self.deep[0].gain)
+
+
+def test_module_state_of_nested_and_shared_submodules_never_swapped(cpu_swap, dev):
+    # The exclusion walk (C++, issue 17) reaches every parameter and buffer that
+    # module.parameters() / buffers() yield: frozen weights, shared and nested submodules.
+    ref = nn.Sequential(*[_FrozenBlock() for _ in range(3)]).to(dev)
+    model = copy.deepcopy(ref)
+    for i in range(3):
+        model[i] = swap_wrapper(model[i])
+    for a, b in zip(model, list(model)[1:]):
+        SwapManager().set_forward_prefetch_layer(a, b)
+    x = torch.randn(4, 16, device=dev, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    cpu_swap.reset_stats()
+    out = model(x)
+    cpu_swap.synchronize()
+    state = [*model.parameters(), *model.buffers()]
+    assert len(state) == 3 * 4  # weight, bias, gain, scale per block
+    for t in state:
+        assert _C.residency(t) is None, "a parameter or buffer was given a swap record"
+        assert t.untyped_storage().nbytes() > 0
+    assert cpu_swap.stats()["offload_count"] > 0  # the activations were swapped
+    out.sum().backward()
+    ref(x_ref).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad)
+
+
 def test_two_forwards_before_backward(cpu_swap, dev):
     ref = Stack(layers=3).to(dev)
     model = wrap_chain(twin(ref))
