@@ -176,8 +176,16 @@ def run(args) -> dict:
         fits[f"{name} ({clock})"] = (a, b)
         print(f"fit {name} ({clock} thread): a = {a:.1f} us fixed + b = {b:.2f} us per tensor")
     a_ours = fits["ours swap (main)"][0]
-    print(f"target: fixed cost of a swap region <= 10 us: {a_ours:.1f} us -> "
-          f"{'MET' if a_ours <= 10 else 'MISSED'}")
+    if 0 in ks:
+        # The definition: a region with nothing eligible (k = 0), measured; the
+        # fit's intercept is printed too (it also absorbs the first tensor's batch cost).
+        k0 = per_layer_us(0, "ours swap", "main")
+        print(f"target: fixed cost of a swap region (k = 0, nothing eligible) <= 10 us: "
+              f"{k0:.1f} us -> {'MET' if k0 <= 10 else 'MISSED'} (fit intercept a = "
+              f"{a_ours:.1f} us)")
+    else:
+        print(f"target: fixed cost of a swap region <= 10 us (fit intercept, k = 0 not run): "
+              f"{a_ours:.1f} us -> {'MET' if a_ours <= 10 else 'MISSED'}")
     k2 = 2 if 2 in ks else ks[len(ks) // 2]
     ratio = per_layer_us(k2, "ours swap", "main") / per_layer_us(k2, "save_on_cpu", "main")
     print(f"target: ours / save_on_cpu host overhead at {k2} tensors per layer (main thread) "
