@@ -24,7 +24,11 @@ disabled) for every contender alike. 1 torch thread.
 Also printed, from SwapManager().stats(): copy-worker wake-ups and release points per
 step (target: at most one wake-up per release point, none when nothing was queued).
 
+``--modules`` makes every layer an ``nn.Module`` (one parameter, one buffer) for every
+contender: the path of a real model's blocks (module wrapper, state exclusion).
+
 Usage: PYTHONPATH=src python benchmarks/bench_swap_overhead.py [--rounds 15] [--quick]
+       [--modules]
 """
 
 from __future__ import annotations
@@ -54,6 +58,23 @@ def _layer(k: int):
     return layer
 
 
+class _Block(torch.nn.Module):
+    """The same layer as an nn.Module with a parameter and a buffer (``--modules``): what
+    a model's blocks are, so the region also excludes the module's state."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+        self.unused = torch.nn.Parameter(torch.zeros(1))
+        self.register_buffer("steps", torch.zeros(1))
+
+    def forward(self, x):
+        x = x * 1.0
+        for _ in range(self.k):
+            x = torch.sin(x)
+        return x
+
+
 def other_threads_cpu_s() -> float:
     """CPU seconds of every thread of this process but the calling one (Linux schedstat)."""
     me = threading.get_native_id()
@@ -80,8 +101,9 @@ def fit_line(ks, ys) -> tuple[float, float]:
 
 def measure(args, k: int) -> dict:
     """Per-step medians (main s, worker s, wall s) of each contender at k tensors/layer."""
-    plain = [_layer(k) for _ in range(args.layers)]
-    ours = [swap_wrapper(_layer(k)) for _ in range(args.layers)]
+    make = _Block if args.modules else _layer
+    plain = [make(k) for _ in range(args.layers)]
+    ours = [swap_wrapper(make(k)) for _ in range(args.layers)]
     for a, b in zip(ours, ours[1:]):
         SwapManager().set_forward_prefetch_layer(a, b)
     x = torch.randn(args.numel, requires_grad=True)
@@ -204,6 +226,9 @@ def add_args(p) -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--steps", type=int, default=20, help="steps per contender per round")
     p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--modules", action="store_true",
+                   help="layers are nn.Modules (a parameter and a buffer each) for every "
+                        "contender, swapped through module swap_wrappers")
 
 
 def main(argv=None) -> None:
