@@ -270,7 +270,7 @@ class SwapWrapper(ActivationWrapper):
                 "cpu_pool": self._hp_cpu_pool}
 
     def forward(self, *args, **kwargs):
-        inner = self._checkpoint_wrapped_module
+        inner = self.__dict__["_modules"][_PREFIX]  # (no nn.Module.__getattr__ per call)
         if _compile.is_compiling():
             # Traced by dynamo: the region opens and closes eagerly around the compiled
             # body (two graph breaks, docs/design.md "torch.compile").
