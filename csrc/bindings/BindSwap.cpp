@@ -572,6 +572,8 @@ void bind_swap(py::module_& m) {
     d["worker_wakeups"] = s.worker_wakeups;
     d["inline_copies"] = s.inline_copies;
     d["live_records"] = s.live_records;
+    d["window_in_flight"] = s.window_in_flight;
+    d["window_complete"] = s.window_complete;
     py::dict skipped;  // reason -> {"count": storages, "bytes": bytes}; every reason listed
     for (size_t i = 0; i < kNumSkipReasons; ++i) {
       py::dict entry;

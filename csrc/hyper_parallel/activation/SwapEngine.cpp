@@ -988,6 +988,12 @@ SwapStats SwapEngine::stats() {
     s.host_reuses += ps.reuses;
   }
   s.live_records = static_cast<int64_t>(registry_.live_records());
+  s.window_in_flight = static_cast<int64_t>(offloads_in_flight_.size());
+  for (const auto& copies : offloads_in_flight_) {
+    if (std::all_of(copies.begin(), copies.end(), [](const CopyEventPtr& e) { return e->query(); })) {
+      ++s.window_complete;
+    }
+  }
   if (thread_engine_) {
     s.worker_wakeups = thread_engine_->wakeups() - wakeups_base_;
     s.inline_copies = thread_engine_->inline_copies() - inline_base_;

@@ -88,6 +88,9 @@ struct SwapStats {
   int64_t release_points = 0, prefetch_points = 0, worker_wakeups = 0, inline_copies = 0;
   double stall_seconds = 0.0;
   int64_t live_records = 0;
+  // Invocations whose D2H copies occupy the offload window now (docs/design.md, "Offload
+  // window"), and how many of them have every copy complete but were not yet retired.
+  int64_t window_in_flight = 0, window_complete = 0;
   std::array<int64_t, kNumSkipReasons> skipped_bytes{}, skipped_count{};
 };
 

@@ -103,3 +103,88 @@ def test_offload_window_is_validated(bad):
     with pytest.raises(ValueError, match="offload window"):
         _C.set_offload_window(bad)
     assert _C.offload_window() == 0  # unchanged (the test default)
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _drain(model) -> None:
+    """Waits for every copy in flight: the CPU backend's workers, and the device's streams."""
+    SwapManager().synchronize()
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+    assert SwapManager().stats()["window_complete"] == SwapManager().stats()["window_in_flight"]
+
+
+# Each flow runs `model` and its reference `ref` the same way; `mark()` starts the part
+# whose copies are counted (an abandoned forward's offloads are never reloaded).
+def _two_forwards(model, ref, x1, x2, mark):
+    mark()
+    (model(x1) + model(x2)).backward()
+    (ref(x1) + ref(x2)).backward()
+
+
+def _reversed_accumulation(model, ref, x1, x2, mark):
+    mark()
+    l1, l2 = model(x1), model(x2)
+    l2.backward()
+    l1.backward()
+    r1, r2 = ref(x1), ref(x2)
+    r2.backward()
+    r1.backward()
+
+
+def _retain_graph(model, ref, x1, x2, mark):
+    mark()
+    loss, loss_ref = model(x1), ref(x1)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    loss_ref.backward(retain_graph=True)
+    loss_ref.backward()
+
+
+def _exception_then_step(model, ref, x1, x2, mark):
+    def boom(*_):
+        raise _Boom("raised inside a swapped layer's forward")
+
+    handle = model.layers[3].register_forward_hook(boom)
+    with pytest.raises(_Boom):
+        model(x1)
+    handle.remove()
+    _drain(model)  # the dropped forward's offloads hold the window until they finish
+    mark()
+    model(x2).backward()
+    ref(x2).backward()
+
+
+@pytest.mark.parametrize("flow", [_two_forwards, _reversed_accumulation, _retain_graph,
+                                  _exception_then_step], ids=lambda f: f.__name__.strip("_"))
+def test_default_window_under_a_saturated_link_stays_bitwise(dev, slow_link, flow):
+    # The engine's default window (not the suite's 0) with the link saturated, through the
+    # control flows that change which invocations are in flight: every result stays
+    # bitwise, every counted offload comes back, and nothing is left behind.
+    _C.set_offload_window(2)
+    ref = Stack(layers=LAYERS).to(dev)
+    model = _chain(twin(ref))
+    x1, x2 = torch.randn(4, 8, 32, device=dev), torch.randn(4, 8, 32, device=dev)
+    # A warm step first: the first backward of a process starts autograd's threads, slowly
+    # enough for the link to drain, which is not the case this test is about.
+    model(x1).backward()
+    ref(x1).backward()
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    slow_link(4000.0)  # one layer's offload ~0.2 s, its forward well under 1 ms
+    marks = []
+    flow(model, ref, x1, x2, lambda: marks.append(SwapManager().stats()))
+    SwapManager().synchronize()
+    s0, s1 = marks[0], SwapManager().stats()
+    assert_bitwise(grads(model), grads(ref))
+    offloads = s1["offload_count"] - s0["offload_count"]
+    assert offloads > 0
+    assert s1["reload_count"] - s0["reload_count"] == offloads
+    assert s1["live_records"] == 0
+    # The window did act: trailing layers stayed on device because the link was saturated.
+    saturated = s1["skipped"]["link_saturated"]["count"] - s0["skipped"]["link_saturated"]["count"]
+    assert saturated > 0
