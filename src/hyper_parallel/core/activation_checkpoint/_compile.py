@@ -223,7 +223,7 @@ torch._dynamo.config.reorderable_logging_functions.add(warn_exclusions_not_compi
 
 # --------------------------------------------------------------------------- swap regions
 @torch.compiler.disable
-def swap_region_enter(wrapper, inner, policy_fn, group_swap):
+def swap_region_enter(wrapper, inner, policy_fn, group_swap, cpu_pool=None):
     """Opens the swap region of ``wrapper`` (a ``SwapWrapper`` traced by dynamo) eagerly:
     the engine's group and its saved-tensor hooks are live while the compiled body that
     follows runs, so the compiled function's saved tensors are swapped like eager ones.
@@ -231,7 +231,7 @@ def swap_region_enter(wrapper, inner, policy_fn, group_swap):
     ``None`` where the body runs plainly (recompute, no grad)."""
     from ._swap import LayerCall, swap_region
 
-    region = swap_region(LayerCall(wrapper, inner, inner), policy_fn, group_swap)
+    region = swap_region(LayerCall(wrapper, inner, inner), policy_fn, group_swap, cpu_pool)
     return None if region is None else region.__enter__()
 
 

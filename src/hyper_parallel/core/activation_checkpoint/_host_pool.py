@@ -65,6 +65,18 @@ class PinnedMemoryPool:
         """Returns the free cached blocks to the system."""
         self._pool.empty_cache()
 
+    # A pool is a shared resource (like a process group): a deep copy of a model that uses
+    # it uses the same pool, so the copies share one cap. Pickled (torch.save of a model),
+    # a pool is saved as its cap and loaded as a new, empty pool with that cap.
+    def __deepcopy__(self, memo) -> "PinnedMemoryPool":
+        return self
+
+    def __copy__(self) -> "PinnedMemoryPool":
+        return self
+
+    def __reduce__(self):
+        return (PinnedMemoryPool, (self.max_host_bytes,))
+
     def __repr__(self) -> str:
         st = self._pool.stats()
         return (f"PinnedMemoryPool(max_host_bytes={self.max_host_bytes}, "

@@ -261,7 +261,6 @@ class SwapWrapper(ActivationWrapper):
         self._hp_policy_fn = policy_fn
         self._hp_group_swap = group_swap
         self._hp_cpu_pool = cpu_pool
-        self._hp_native_pool = native_pool(cpu_pool)
         SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP before the first call
 
     @property
@@ -275,7 +274,7 @@ class SwapWrapper(ActivationWrapper):
             # Traced by dynamo: the region opens and closes eagerly around the compiled
             # body (two graph breaks, docs/design.md "torch.compile").
             region = _compile.swap_region_enter(self, inner, self._hp_policy_fn,
-                                                self._hp_group_swap)
+                                                self._hp_group_swap, self._hp_cpu_pool)
             try:
                 out = inner(*args, **kwargs)
             except BaseException:
@@ -286,7 +285,8 @@ class SwapWrapper(ActivationWrapper):
         if in_backward() or not torch.is_grad_enabled():
             return inner(*args, **kwargs)
         return self._hp_call(swap_call, LayerCall(self, inner, inner), args, kwargs,
-                             self._hp_policy_fn, self._hp_group_swap, self._hp_native_pool)
+                             self._hp_policy_fn, self._hp_group_swap,
+                             native_pool(self._hp_cpu_pool))
 
 
 def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False, cpu_pool=None):

@@ -70,3 +70,31 @@ def test_a_failing_body_leaves_nothing_installed(host_swap):
     grad = x.grad.clone()
     wrapper(x).sum().backward()
     torch.testing.assert_close(x.grad, 2 * grad)
+
+
+@pytest.mark.filterwarnings("ignore:hyper_parallel. swap region")
+def test_compiled_wrapper_takes_its_host_blocks_from_its_cpu_pool(host_swap):
+    # torch.compile(swap_wrapper(block, cpu_pool=pool)) offloads into `pool` as eager does
+    # (the region opened around the compiled body is given the pool), so its cap holds.
+    from hyper_parallel.core.activation_checkpoint import PinnedMemoryPool
+
+    fresh()
+    eager_block, block = twin_block()
+    x0 = torch.randn(4, 8)
+    pool = PinnedMemoryPool(1 << 20)
+    engine_before = host_swap.stats()["pinned_bytes_in_use"]
+    compiled = torch.compile(swap_wrapper(block, cpu_pool=pool), backend=CountingBackend())
+    x = x0.clone().requires_grad_()
+    out = compiled(x)
+    host_swap.synchronize()
+    assert pool.stats()["bytes_in_use"] > 0  # the offloaded activations are in the pool
+    assert host_swap.stats()["pinned_bytes_in_use"] == engine_before
+    out.sum().backward()
+    host_swap.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0
+    assert torch.equal(x.grad, train_steps(eager_block, x0, steps=1)[1])
+    tiny = PinnedMemoryPool(256)  # smaller than one offloaded activation: refused as in eager
+    fresh()
+    with pytest.raises(RuntimeError, match="hyper_parallel: host pool full"):
+        torch.compile(swap_wrapper(twin_block()[1], cpu_pool=tiny),
+                      backend=CountingBackend())(x0.clone().requires_grad_()).sum().backward()

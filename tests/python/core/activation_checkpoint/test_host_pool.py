@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from hyper_parallel.core.activation_checkpoint import (
-    CheckpointPolicy, PinnedMemoryPool, SwapManager, async_save_on_cpu, checkpoint, swap,
-    swap_tensor_wrapper, swap_wrapper)
+    CheckpointPolicy, PinnedMemoryPool, SwapManager, async_save_on_cpu, checkpoint,
+    checkpoint_wrapper, swap, swap_tensor_wrapper, swap_wrapper)
 
 D = 32
 
@@ -115,3 +115,25 @@ def test_bad_pools_are_refused():
     with pytest.raises(TypeError, match="cpu_pool must be a PinnedMemoryPool"):
         async_save_on_cpu(cpu_pool=object())
     assert "max_host_bytes=4096" in repr(PinnedMemoryPool(4096))
+
+
+def test_a_deep_copy_shares_the_pool_and_pickling_keeps_the_cap(tmp_path):
+    # A pool is a shared resource: deep copies of models that use it use the same pool;
+    # torch.save / torch.load of such a model gives a new pool with the same cap.
+    pool = PinnedMemoryPool(1 << 20)
+    assert copy.deepcopy(pool) is pool and copy.copy(pool) is pool
+    model = nn.Sequential(swap_wrapper(nn.Linear(4, 4), cpu_pool=pool),
+                          checkpoint_wrapper(nn.Linear(4, 4), cpu_pool=pool))
+    twin = copy.deepcopy(model)
+    assert twin[0].checkpoint_kwargs["cpu_pool"] is pool
+    assert twin[1].checkpoint_kwargs["cpu_pool"] is pool
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    restored = loaded[0].checkpoint_kwargs["cpu_pool"]
+    assert isinstance(restored, PinnedMemoryPool) and restored is not pool
+    assert restored.max_host_bytes == pool.max_host_bytes
+    assert restored.stats()["bytes_in_use"] == 0
+    assert loaded[1].checkpoint_kwargs["cpu_pool"] is restored  # one pool, as saved
+    x = torch.randn(2, 4)
+    assert torch.equal(loaded(x), model(x))
