@@ -73,6 +73,35 @@ at::Tensor dtensor_local(const py::handle& obj) {
   return THPVariable_Unpack(obj.attr("_local_tensor").ptr()).tensor_data();
 }
 
+// torch.nn.Parameter (the class object, looked up once; leaked with the interpreter).
+PyTypeObject* parameter_type() {
+  static PyTypeObject* cls = [] {
+    py::object p = py::module_::import("torch.nn.parameter").attr("Parameter");
+    return reinterpret_cast<PyTypeObject*>(p.release().ptr());
+  }();
+  return cls;
+}
+
+// A frozen parameter anywhere (issue 17 tester F1): an nn.Parameter (or subclass) that
+// does not require grad, which the Eligibility rule (leaf that requires grad) cannot see,
+// whoever owns it: another module, a closure, a function's default. Also a tensor
+// subclass made a parameter (nn.Parameter(DTensor) keeps the DTensor type and sets
+// `_is_param`). Only leaves are asked: a parameter is a leaf, and this keeps the check off
+// the common path (outputs of ops have a grad_fn or are not leaves of a frozen model).
+bool is_frozen_parameter(const py::handle& obj, const at::Tensor& t) {
+  if (t.requires_grad() || !t.is_leaf()) return false;
+  if (PyType_IsSubtype(Py_TYPE(obj.ptr()), parameter_type())) return true;
+  if (!t.key_set().has(c10::DispatchKey::Python)) return false;
+  PyObject* flag = PyObject_GetAttrString(obj.ptr(), "_is_param");
+  if (flag == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  const bool is_param = PyObject_IsTrue(flag) == 1;
+  Py_DECREF(flag);
+  return is_param;
+}
+
 // A leaf that requires grad (a parameter) or a view of one; the Eligibility rule, applied
 // to the outer DTensor.
 bool is_parameter_like(const at::Tensor& t) {
@@ -129,7 +158,12 @@ class PackHook {
     if (t.key_set().has(c10::DispatchKey::Python)) return pack_subclass(obj, t);
     if (auto* meter = SavedBytesMeter::active()) meter->observe(t);
     auto group = engine().current_group();
-    if (!group || !policy_swaps(obj, t, t)) return pass_through(obj, t);
+    if (!group) return pass_through(obj, t);
+    if (is_frozen_parameter(obj, t)) {
+      if (mode_ == PackMode::kSwapAll) engine().count_skipped(group, t, SkipReason::kParameter);
+      return pass_through(obj, t);
+    }
+    if (!policy_swaps(obj, t, t)) return pass_through(obj, t);
     auto handle = engine().pack(group, t, mode_);
     if (!handle) return pass_through(obj, t);
     return py::cast(std::move(handle));
@@ -163,7 +197,8 @@ class PackHook {
       if (meter) meter->observe(t);
       return pass_through(obj, t);
     }
-    if (is_parameter_like(t)) return pass_through(obj, t);  // a DTensor parameter or view
+    // a DTensor parameter (frozen or not) or a view of one
+    if (is_parameter_like(t) || is_frozen_parameter(obj, t)) return pass_through(obj, t);
     at::Tensor local = dtensor_local(obj);
     if (meter) meter->observe(local);
     auto group = engine().current_group();

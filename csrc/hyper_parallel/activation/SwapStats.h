@@ -13,8 +13,8 @@ namespace hyper_parallel::activation {
 // storage and layer invocation at pack time (the first group of reasons) or at the start
 // of the invocation's backward (kInUseElsewhere, kLastLayer: the storage never left).
 enum class SkipReason : uint8_t {
-  kParameter = 0,          // a leaf that requires grad, or a view of one
-  kBuffer,                 // the region module's own buffer (or frozen parameter)
+  kParameter = 0,          // a leaf that requires grad, a view of one, or any nn.Parameter
+  kBuffer,                 // the region module's own buffer
   kHostTensor,             // already in host memory, CPU swap off
   kForeignStorage,         // not resizable / no allocator / IPC (from_blob, DLPack)
   kCopyOnWrite,            // copy-on-write storage

@@ -73,7 +73,9 @@ def swap(function, *args, policy_fn=None, group_swap=False, cpu_pool=None, **kwa
         policy_fn: ``policy_fn(tensor) -> CheckpointPolicy`` per saved tensor:
             ``MUST_SWAP`` offloads it, ``MUST_SAVE`` keeps it on device. ``None`` swaps
             every eligible tensor (parameters, buffers, host tensors and foreign storages
-            are never swapped, SPEC 4.4).
+            are never swapped, SPEC 4.4: every ``nn.Parameter`` and the buffers of
+            ``function`` when it is a module are excluded; a tensor something else still
+            references, such as another module's buffer, is never released).
         group_swap: fuse tensors under the bucket threshold (32 MiB by default) into few
             large copies, one D2H and one H2D per bucket.
         cpu_pool: a :class:`PinnedMemoryPool` whose capped host memory holds the

@@ -253,6 +253,44 @@ def test_module_state_of_nested_and_shared_submodules_never_swapped(cpu_swap, de
             assert torch.equal(p.grad, q.grad)
 
 
+class _UsesOuterState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.frozen = nn.Parameter(torch.rand(16) + 0.5, requires_grad=False)
+        self.register_buffer("scale", torch.rand(16) + 0.5)
+
+    def forward(self, x):
+        return torch.sin(self.lin(x) * self.scale * self.frozen)  # mul saves both
+
+
+@pytest.mark.parametrize("how", ["method", "lambda", "function_wrapper"])
+def test_frozen_parameters_owned_elsewhere_are_never_swapped(cpu_swap, dev, how):
+    # A region whose target is not the module that owns the state (its bound forward, a
+    # closure, a function wrapper): no module walk can exclude it. Every nn.Parameter is
+    # still never given a record (issue 17 tester F1); a buffer another object references
+    # keeps its storage and values (it is never released while referenced).
+    ref = _UsesOuterState().to(dev)
+    m = copy.deepcopy(ref)
+    x = torch.randn(4, 16, device=dev, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    if how == "method":
+        out = swap(m.forward, x)
+    elif how == "lambda":
+        out = swap(lambda t: m(t), x)
+    else:
+        out = swap_wrapper(m.forward)(x)
+    cpu_swap.synchronize()
+    assert _C.residency(m.frozen) is None
+    assert m.frozen.untyped_storage().nbytes() > 0 and m.scale.untyped_storage().nbytes() > 0
+    assert _C.residency(m.scale) in (None, "device")  # referenced by m: never released
+    out.sum().backward()
+    ref(x_ref).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+    assert torch.equal(m.lin.weight.grad, ref.lin.weight.grad)
+    assert torch.equal(m.scale, ref.scale) and torch.equal(m.frozen, ref.frozen)
+
+
 def test_two_forwards_before_backward(cpu_swap, dev):
     ref = Stack(layers=3).to(dev)
     model = wrap_chain(twin(ref))
