@@ -62,6 +62,11 @@ class ActivationPlan:
         exact: whether the optimizer's exact search found it (``False``: its fronts grew
             too large, copies saturating the link over many layers, and the heuristic
             fallback of ``Planner.h`` did; the plan still meets the budgets).
+        lower_bound_seconds: a proven lower bound of the fastest predicted step within the
+            budgets (seconds; for an exact plan its own time, after the fallback the
+            optimum of the relaxation of ``Planner.h``), so the plan is at most
+            ``predicted_step_seconds / lower_bound_seconds - 1`` slower than the optimum
+            of the cost model; ``None`` where none is known (prefetch depth >= 2).
     """
 
     strategies: dict[str, str]
@@ -76,6 +81,7 @@ class ActivationPlan:
     prefetch_depth: int = 1
     host_budget_bytes: int | None = None
     exact: bool = True
+    lower_bound_seconds: float | None = None
 
     def explain(self) -> str:
         """A table: per layer, the choice, saved / offloaded / recomputed bytes, the time
@@ -99,7 +105,9 @@ class ActivationPlan:
             + (f" (host budget {_fmt_bytes(self.host_budget_bytes)})"
                if self.host_budget_bytes is not None else "")
             + f"; solved for prefetch depth {self.prefetch_depth}"
-            + ("" if self.exact else " (heuristic search: the exact one grew too large)"))
+            + ("" if self.exact else " (heuristic search: the exact one grew too large"
+               + (f"; proven within {self.predicted_step_seconds / self.lower_bound_seconds - 1:.2%}"
+                  " of the optimum" if self.lower_bound_seconds else "") + ")"))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -197,7 +205,8 @@ def predict(profile: ActivationProfile, strategies: Sequence[str] | dict, *,
 
 
 def _plan(profile: ActivationProfile, assignment: list[int], prediction: dict,
-          budget: int, depth: int, host_budget: int | None, exact: bool = True) -> ActivationPlan:
+          budget: int, depth: int, host_budget: int | None, stats: dict | None = None) \
+        -> ActivationPlan:
     names = [profile.strategies[i] for i in assignment]
     none = predict(profile, ["none"] * len(names), prefetch_depth=depth)
     n = len(names)
@@ -224,8 +233,13 @@ def _plan(profile: ActivationProfile, assignment: list[int], prediction: dict,
         rows=rows,
         prefetch_depth=int(depth),
         host_budget_bytes=None if host_budget is None else int(host_budget),
-        exact=bool(exact),
+        exact=bool((stats or {}).get("exact", True)),
+        lower_bound_seconds=_finite((stats or {}).get("lower_bound_seconds")),
     )
+
+
+def _finite(x) -> float | None:
+    return float(x) if x is not None and math.isfinite(float(x)) else None
 
 
 def _why(profile: ActivationProfile, k: int, s: str, kept: int, off: int, added: float,
@@ -287,7 +301,7 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
     found = planner.solve(int(budget_bytes), allowed, host)
     if found is not None:
         return _plan(profile, found[0], found[1], budget_bytes, depth, host_budget_bytes,
-                     found[2]["exact"])
+                     found[2])
     host_text = "" if host_budget_bytes is None else \
         f" and its host bytes within {_fmt_bytes(host_budget_bytes)} ({host_budget_bytes} bytes)"
     low = planner.min_peak(allowed, host)
@@ -297,7 +311,7 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
             f"bytes within {_fmt_bytes(host_budget_bytes)} ({host_budget_bytes} bytes) "
             "whatever the device budget. Raise host_budget_bytes.",
             int(budget_bytes), None, None, host_budget_bytes)
-    plan = _plan(profile, low[0], low[1], budget_bytes, depth, host_budget_bytes, low[2]["exact"])
+    plan = _plan(profile, low[0], low[1], budget_bytes, depth, host_budget_bytes, low[2])
     choice = ", ".join(f"{k}: {n}" for k, n in _counts(plan).items())
     raise InfeasibleBudgetError(
         f"hyper_parallel: no plan of the candidates ({', '.join(names)}) keeps the peak of "
