@@ -1,8 +1,8 @@
 """Profiling a training step for the planner (docs/design.md, "Planner").
 
 ``repeats`` (default 3) measured steps per candidate strategy, applied to every layer at
-once (plus one warm-up step), on the device the model is on; times are the median over
-the repeats (a timed run reports typical steps, and the least of a few would predict
+once (plus one warm-up step), in interleaved rounds (one step of every candidate per
+round), on the device the model is on; times are the median over the repeats (a timed run reports typical steps, and the least of a few would predict
 every plan faster than it runs). Per layer and strategy it records what the
 cost model of ``csrc/hyper_parallel/planner/CostModel.h`` needs:
 
@@ -498,22 +498,27 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
         link_d2h = link_h2d = CopyLink(0.0, 0.0)
         remove_activation_memory(model)
         _run_step(step_fn, model, layer_names, device, params)  # warm-up
-        runs["none"] = _typical([_run_step(step_fn, model, layer_names, device, params)
-                                 for _ in range(repeats)])
         # The copies of the swapping steps themselves are samples of the link (sizes and
         # contention of the real step), recorded from the engine's timeline.
         samples = {"d2h": [], "h2d": []} if _trace_free() else None
-        for name in names[1:]:
-            apply_activation_memory(model, name, layers=layer_names)
-            try:
-                SwapManager().reset_stats()
-                steps = []
-                for _ in range(repeats):
+        # Interleaved rounds (one step of every candidate per round): a slow spell of a
+        # shared machine then slows every candidate alike instead of all the steps of
+        # one, which the planner would then avoid or, worse, prefer (it picks per layer
+        # whatever was measured fastest, so noise that favours one strategy biases its
+        # plans' predictions low).
+        steps: dict[str, list[dict]] = {name: [] for name in names}
+        SwapManager().reset_stats()
+        for _ in range(repeats):
+            for name in names:
+                if name != "none":
+                    apply_activation_memory(model, name, layers=layer_names)
+                try:
                     with _copy_trace(samples if STRATEGIES[name].swaps else None):
-                        steps.append(_run_step(step_fn, model, layer_names, device, params))
-                runs[name] = _typical(steps)
-            finally:
-                remove_activation_memory(model)
+                        steps[name].append(_run_step(step_fn, model, layer_names, device,
+                                                     params))
+                finally:
+                    remove_activation_memory(model)
+        runs = {name: _typical(steps[name]) for name in names}
         if any(STRATEGIES[n].swaps for n in names):
             typical = max(c.kept_bytes for c in runs["none"]["costs"])
             link_d2h, link_h2d = measure_copy_links(device, max(1 << 16, typical),
