@@ -58,6 +58,13 @@ class ActivationPlan:
         rows: one :class:`PlanRow` per layer, forward order.
         prefetch_depth: the engine's prefetch depth the plan was solved for;
             :func:`apply_activation_memory` sets ``SwapManager().set_prefetch_depth`` to it.
+        offload_window: the engine's offload window the cost model describes (0: every
+            release point submits its offload at once, SPEC 3's schedule);
+            :func:`apply_activation_memory` sets the engine to it. (With the default
+            window of 2 and a link slower than the forwards, released layers wait on the
+            device and those still waiting at the turn are never offloaded: more peak
+            bytes than planned, measured 7.0 MiB for a 5.4 MiB budget at offload = 2x
+            forward in bench_planner.py.)
         host_budget_bytes: the host budget it was planned for (``None``: unbounded).
         exact: whether the optimizer's exact search found it (``False``: its fronts grew
             too large, copies saturating the link over many layers, and the heuristic
@@ -79,6 +86,7 @@ class ActivationPlan:
     predicted_stall_seconds: float = 0.0
     rows: list[PlanRow] = field(default_factory=list)
     prefetch_depth: int = 1
+    offload_window: int = 0
     host_budget_bytes: int | None = None
     exact: bool = True
     lower_bound_seconds: float | None = None

@@ -494,6 +494,11 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
     for p in params:
         p.grad = None
     runs: dict[str, dict] = {}
+    # The cost model's schedule submits every offload at its release point: profile with
+    # the engine's offload window off, or a slow link would keep released layers on the
+    # device and move their offload bytes to later layers' counters.
+    window = _C.offload_window()
+    _C.set_offload_window(0)
     try:
         link_d2h = link_h2d = CopyLink(0.0, 0.0)
         remove_activation_memory(model)
@@ -524,6 +529,7 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
             link_d2h, link_h2d = measure_copy_links(device, max(1 << 16, typical),
                                                     samples=samples)
     finally:
+        _C.set_offload_window(window)
         remove_activation_memory(model)
         for p, g in zip(params, grads):
             p.grad = g
