@@ -88,12 +88,18 @@ def measure_once(model, step, plan, device, steps: int) -> tuple[int, list[float
 
 
 def measure_all(model, step, plans: dict, device, steps: int, rounds: int) -> dict:
-    """Every plan measured in ``rounds`` interleaved rounds: peak (the largest) and the
-    median step time over all timed steps."""
+    """Every plan measured in ``rounds`` interleaved rounds (a seeded shuffle of the plans
+    each round): peak (the largest) and the median step time over all timed steps."""
     peaks = {k: 0 for k in plans}
     times = {k: [] for k in plans}
+    order = list(plans)
+    shuffle = random.Random(1)
     for _ in range(rounds):
-        for label, plan in plans.items():
+        # A new order each round: no plan is always timed at the same phase of a round
+        # (the planner's plans used to come last in every round).
+        shuffle.shuffle(order)
+        for label in order:
+            plan = plans[label]
             peak, ts = measure_once(model, step, plan, device, steps)
             peaks[label] = max(peaks[label], peak)
             times[label] += ts
