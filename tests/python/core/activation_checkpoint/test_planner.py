@@ -291,3 +291,20 @@ def test_plan_runs_with_the_offload_window_its_model_describes(profiled):
     bad.offload_window = -1
     with pytest.raises(ValueError, match="hyper_parallel: the plan's offload_window"):
         apply_activation_memory(model, bad)
+
+
+def test_exact_plan_carries_its_own_time_as_lower_bound(profiled):
+    _, _, prof = profiled
+    plan = prof.plan(int(0.5 * prof.none_peak_bytes))
+    assert plan.exact
+    # The bound is the search's objective: the predicted step plus the 1e-15 s/byte
+    # traffic tie-break.
+    assert plan.lower_bound_seconds == pytest.approx(
+        plan.predicted_step_seconds + 1e-15 * plan.predicted_offload_bytes, rel=1e-9)
+    # A fallback plan states its proven gap in explain().
+    fallback = ActivationPlan.from_json(plan.to_json())
+    fallback.exact = False
+    fallback.lower_bound_seconds = plan.predicted_step_seconds / 1.0125
+    assert "proven within 1.25% of the optimum" in fallback.explain()
+    fallback.lower_bound_seconds = None
+    assert "heuristic search" in fallback.explain() and "proven" not in fallback.explain()
