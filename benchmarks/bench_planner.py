@@ -51,7 +51,10 @@ from hyper_parallel.core.activation_checkpoint import (  # noqa: E402
 )
 from hyper_parallel._extension import _C  # noqa: E402
 from hyper_parallel.core.activation_checkpoint._planner import _cpp_profile, predict  # noqa: E402
-from hyper_parallel.core.activation_checkpoint._profile import ActivationProfile, CopyLink  # noqa: E402,E501
+from hyper_parallel.core.activation_checkpoint._profile import (  # noqa: E402
+    ActivationProfile,
+    CopyLink,
+)
 from hyper_parallel.demo.model import build_config, build_model  # noqa: E402
 
 UNIFORM = ("none", "checkpoint", "selective", "swap", "selective_swap", "checkpoint_swap")

@@ -101,6 +101,10 @@ class ActivationPlan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        bound = ""
+        if not self.exact and self.lower_bound_seconds:
+            gap = self.predicted_step_seconds / self.lower_bound_seconds - 1
+            bound = f"; proven within {gap:.2%} of the optimum"
         ratio = self.predicted_step_seconds / self.none_step_seconds \
             if self.none_step_seconds > 0 else float("nan")
         lines.append(
@@ -113,9 +117,8 @@ class ActivationPlan:
             + (f" (host budget {_fmt_bytes(self.host_budget_bytes)})"
                if self.host_budget_bytes is not None else "")
             + f"; solved for prefetch depth {self.prefetch_depth}"
-            + ("" if self.exact else " (heuristic search: the exact one grew too large"
-               + (f"; proven within {self.predicted_step_seconds / self.lower_bound_seconds - 1:.2%}"
-                  " of the optimum" if self.lower_bound_seconds else "") + ")"))
+            + ("" if self.exact
+               else f" (heuristic search: the exact one grew too large{bound})"))
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -2,8 +2,9 @@
 
 ``repeats`` (default 3) measured steps per candidate strategy, applied to every layer at
 once (plus one warm-up step), in interleaved rounds (one step of every candidate per
-round), on the device the model is on; times are the median over the repeats (a timed run reports typical steps, and the least of a few would predict
-every plan faster than it runs). Per layer and strategy it records what the
+round), on the device the model is on; times are the median over the repeats (a timed
+run reports typical steps, and the least of a few would predict every plan faster than
+it runs). Per layer and strategy it records what the
 cost model of ``csrc/hyper_parallel/planner/CostModel.h`` needs:
 
 * ``kept_bytes``: how much the library's meter (:func:`saved_activation_memory`) grew
