@@ -29,6 +29,7 @@ Usage: PYTHONPATH=src python benchmarks/bench_planner.py [--layers 8] [--random 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import statistics
@@ -50,7 +51,10 @@ from hyper_parallel.core.activation_checkpoint import (  # noqa: E402
 )
 from hyper_parallel._extension import _C  # noqa: E402
 from hyper_parallel.core.activation_checkpoint._planner import _cpp_profile, predict  # noqa: E402
-from hyper_parallel.core.activation_checkpoint._profile import ActivationProfile  # noqa: E402
+from hyper_parallel.core.activation_checkpoint._profile import (  # noqa: E402
+    ActivationProfile,
+    CopyLink,
+)
 from hyper_parallel.demo.model import build_config, build_model  # noqa: E402
 
 UNIFORM = ("none", "checkpoint", "selective", "swap", "selective_swap", "checkpoint_swap")
@@ -87,12 +91,18 @@ def measure_once(model, step, plan, device, steps: int) -> tuple[int, list[float
 
 
 def measure_all(model, step, plans: dict, device, steps: int, rounds: int) -> dict:
-    """Every plan measured in ``rounds`` interleaved rounds: peak (the largest) and the
-    median step time over all timed steps."""
+    """Every plan measured in ``rounds`` interleaved rounds (a seeded shuffle of the plans
+    each round): peak (the largest) and the median step time over all timed steps."""
     peaks = {k: 0 for k in plans}
     times = {k: [] for k in plans}
+    order = list(plans)
+    shuffle = random.Random(1)
     for _ in range(rounds):
-        for label, plan in plans.items():
+        # A new order each round: no plan is always timed at the same phase of a round
+        # (the planner's plans used to come last in every round).
+        shuffle.shuffle(order)
+        for label in order:
+            plan = plans[label]
             peak, ts = measure_once(model, step, plan, device, steps)
             peaks[label] = max(peaks[label], peak)
             times[label] += ts
@@ -100,18 +110,29 @@ def measure_all(model, step, plans: dict, device, steps: int, rounds: int) -> di
             for k in plans}
 
 
-def solve_times(profile: ActivationProfile, sizes=(10, 50, 100, 200)) -> list[dict]:
+def solve_times(profile: ActivationProfile, sizes=(10, 50, 100, 200),
+                copy_ratio: float | None = None) -> list[dict]:
     """The solver alone on the profile's layers tiled to each size (40 % of the predicted
-    none peak, the engine's prefetch depth): milliseconds (best of 3) and labels kept."""
+    none peak, the engine's prefetch depth): milliseconds (best of 3), labels kept, whether
+    the search was exact and, when it fell back, its proven gap to the optimum (plan /
+    lower bound - 1). ``copy_ratio``: the link slowed (both directions) so that the
+    median layer's "swap" offload takes that many times its forward (the saturated case)."""
     out = []
     n0 = len(profile.layer_names)
+    d2h, h2d = profile.d2h, profile.h2d
+    if copy_ratio is not None:
+        fwd = statistics.median(c.forward_seconds for c in profile.costs["none"])
+        off = statistics.median(c.offload_bytes for c in profile.costs["swap"][:-1])
+        per_byte = copy_ratio * fwd / off
+        d2h = CopyLink(d2h.latency_seconds, per_byte)
+        h2d = CopyLink(h2d.latency_seconds, per_byte)
     for n in sizes:
         tiled = ActivationProfile(
             layer_names=[f"layers.{i}" for i in range(n)], strategies=profile.strategies,
             costs={s: [c[i % n0] for i in range(n)] for s, c in profile.costs.items()},
             base_bytes=profile.base_bytes, tail_bytes=profile.tail_bytes,
             tail_seconds=profile.tail_seconds, outside_seconds=profile.outside_seconds,
-            d2h=profile.d2h, h2d=profile.h2d)
+            d2h=d2h, h2d=h2d)
         cpp = _cpp_profile(tiled, SwapManager().get_prefetch_depth())
         none = predict(tiled, ["none"] * n)["peak_bytes"]
         best, found = float("inf"), None
@@ -119,10 +140,23 @@ def solve_times(profile: ActivationProfile, sizes=(10, 50, 100, 200)) -> list[di
             t0 = time.perf_counter()
             found = _C.Planner(cpp).solve(int(0.4 * none))
             best = min(best, time.perf_counter() - t0)
-        stats = found[2] if found else {}
+        stats = dict(found[2]) if found else {}
+        gap = None
+        if found and not stats.get("exact", True) and \
+                math.isfinite(stats.get("lower_bound_seconds", float("nan"))):
+            gap = found[1]["step_seconds"] / stats["lower_bound_seconds"] - 1
         out.append({"layers": n, "options": len(profile.strategies), "ms": best * 1e3,
-                    "feasible": found is not None, **stats})
+                    "feasible": found is not None, "gap": gap, **stats})
     return out
+
+
+def _solve_table(sizes: list[dict], title: str) -> str:
+    return table(["layers", "options", "solve ms (best of 3)", "labels kept", "widest layer",
+                  "exact", "proven gap"],
+                 [[r["layers"], r["options"], f"{r['ms']:.2f}", r.get("labels_kept", "-"),
+                   r.get("widest_layer", "-"), "yes" if r.get("exact") else "no",
+                   "-" if r["gap"] is None else f"{r['gap']:.2%}"] for r in sizes],
+                 title=title)
 
 
 def run(args) -> dict:
@@ -241,11 +275,12 @@ def run(args) -> dict:
                                          "load_after": load_after}
         last_profile = profile
     sizes = solve_times(last_profile)
-    print(table(["layers", "options", "solve ms (best of 3)", "labels kept", "widest layer"],
-                [[r["layers"], r["options"], f"{r['ms']:.2f}", r.get("labels_kept", "-"),
-                  r.get("widest_layer", "-")] for r in sizes],
-                title="solver alone: the last profile's layers tiled, budget 40 % of none"))
+    print(_solve_table(sizes, "solver alone: the last profile's layers tiled, budget 40 % of none"))
+    saturated = solve_times(last_profile, copy_ratio=2.0)
+    print(_solve_table(saturated, "the same with the link slowed to 2x a forward per offload "
+                                  "(saturated)"))
     results["solve_times"] = sizes
+    results["solve_times_saturated"] = saturated
     manager.set_cpu_swap(False, delay_ns_per_byte=0.0)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:

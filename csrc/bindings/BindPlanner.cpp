@@ -68,6 +68,7 @@ void bind_planner(py::module_& m) {
     stats["labels_kept"] = r.stats.labels_kept;
     stats["widest_layer"] = r.stats.widest_layer;
     stats["exact"] = r.stats.exact;
+    stats["lower_bound_seconds"] = r.stats.lower_bound;  // NaN: none known
     return py::make_tuple(r.assignment, prediction_dict(r.prediction), stats);
   };
   py::class_<Planner>(m, "Planner", "Exact per-layer strategy optimizer (Planner.h).")

@@ -40,21 +40,32 @@ int64_t round_up(int64_t bytes, int64_t quantum) {
   return quantum <= 1 ? bytes : (bytes + quantum - 1) / quantum * quantum;
 }
 
+int64_t round_down(int64_t bytes, int64_t quantum) {
+  return quantum <= 1 ? bytes : bytes / quantum * quantum;
+}
+
 // Keeps the labels no other label of their (phase, code) dominates (Planner.h), in place.
 // `linear`: a backlog at least this large passes through every later max(0, .) of the
 // model, so two such labels compare by time + backlog alone (exact).
 // `per_kept` > 0: at most that many labels (the fastest) per (phase, code, kept bytes).
-void prune(std::vector<Label>& labels, double eps, double linear, int per_kept) {
-  std::sort(labels.begin(), labels.end(), [](const Label& a, const Label& b) {
+// `code_bytes` (depth 1 only; else null): the offload bytes of each class of the layer
+// just decided; labels of different codes are then compared too, the one with fewer
+// offload bytes in its last layer being no worse in that respect (every later term that
+// reads the code, the backward sample point and the reload stall of the next layer, is
+// non-decreasing in those bytes).
+void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
+           const std::vector<int64_t>* code_bytes) {
+  const bool by_code = code_bytes == nullptr;
+  std::sort(labels.begin(), labels.end(), [by_code](const Label& a, const Label& b) {
     if (a.phase != b.phase) return a.phase < b.phase;
-    if (a.code != b.code) return a.code < b.code;
+    if (by_code && a.code != b.code) return a.code < b.code;
     if (a.kept != b.kept) return a.kept < b.kept;
     if (a.time != b.time) return a.time < b.time;
     if (a.backlog != b.backlog) return a.backlog < b.backlog;
     return a.host < b.host;
   });
   struct Front {
-    int64_t host;
+    int64_t host, off;
     double time, backlog;
   };
   std::vector<Front> front;
@@ -62,7 +73,9 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept) 
   int same_kept = 0;
   for (size_t i = 0; i < labels.size(); ++i) {
     const Label l = labels[i];
-    if (i == 0 || l.phase != labels[i - 1].phase || l.code != labels[i - 1].code) {
+    const int64_t off = by_code ? 0 : (*code_bytes)[l.code];
+    if (i == 0 || l.phase != labels[i - 1].phase ||
+        (by_code && l.code != labels[i - 1].code)) {
       front.clear();
       same_kept = 0;
     } else if (l.kept != labels[i - 1].kept) {
@@ -74,7 +87,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept) 
       const double extra = f.backlog >= linear && l.backlog >= linear
                                ? f.backlog - l.backlog
                                : std::max(0.0, f.backlog - l.backlog);
-      if (f.host <= l.host && f.time + extra <= l.time + eps) {
+      if (f.host <= l.host && f.off <= off && f.time + extra <= l.time + eps) {
         dominated = true;
         break;
       }
@@ -88,10 +101,11 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept) 
                                      f.backlog >= linear && l.backlog >= linear
                                          ? l.backlog - f.backlog
                                          : std::max(0.0, l.backlog - f.backlog);
-                                 return l.host <= f.host && l.time + extra <= f.time;
+                                 return l.host <= f.host && off <= f.off &&
+                                        l.time + extra <= f.time;
                                }),
                 front.end());
-    front.push_back(Front{l.host, l.time, l.backlog});
+    front.push_back(Front{l.host, off, l.time, l.backlog});
     ++same_kept;
     labels[out++] = l;
   }
@@ -145,16 +159,33 @@ std::vector<uint64_t> Planner::masks(const std::vector<uint64_t>& allowed) const
 PlanResult Planner::solve(int64_t budget, const std::vector<uint64_t>& allowed,
                           int64_t host_budget) const {
   const std::vector<uint64_t> m = masks(allowed);
+  // The time found is the optimum (a lower bound of itself) only where the search is
+  // exact: depth <= 1, no tolerance, no byte rounding.
+  const bool bounded = depth_ <= 1 && tolerance_ == 0.0;
   PlanResult r = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels);
-  if (!r.stats.overflowed) return r;
+  if (!r.stats.overflowed) {
+    r.stats.lower_bound = bounded && quantum_ == 1 && r.feasible
+                              ? r.stats.objective
+                              : std::numeric_limits<double>::quiet_NaN();
+    return r;
+  }
   // The fronts outgrew the exact search (copies saturating the link over many layers):
   // search again on a byte grid of 1/512 of the budget, keeping the 4 fastest labels
-  // per kept-bytes quantum (a heuristic: no bound on the time lost).
+  // per kept-bytes quantum (a heuristic), and bound its distance from the optimum by the
+  // relaxation on the same grid (bytes rounded down, no D2H backlog): exact for its own
+  // problem, whose optimum is no slower than the true one.
   const int64_t q = std::max<int64_t>(quantum_, (budget - profile_.base_bytes) / 512);
   PlanResult a = search(budget, host_budget, m, false, q, tolerance_, -1, 4);
   a.stats.labels_created += r.stats.labels_created;
   a.stats.labels_kept += r.stats.labels_kept;
   a.stats.exact = false;
+  a.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
+  if (bounded && a.feasible) {
+    const PlanResult low = search(budget, host_budget, m, false, q, 0.0, -1, 0, true);
+    a.stats.labels_created += low.stats.labels_created;
+    a.stats.labels_kept += low.stats.labels_kept;
+    if (low.feasible) a.stats.lower_bound = low.stats.objective;
+  }
   return a;
 }
 
@@ -185,7 +216,7 @@ PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_
 PlanResult Planner::search(int64_t budget, int64_t host_budget,
                            const std::vector<uint64_t>& allowed, bool memory_only,
                            int64_t quantum, double tolerance, int64_t max_labels,
-                           int per_kept) const {
+                           int per_kept, bool relaxed) const {
   const StepProfile& p = profile_;
   const size_t n = p.num_layers(), s = p.num_options();
   const int depth = depth_;
@@ -279,8 +310,10 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
         if (last && held + c.kept_bytes + p.tail_bytes > budget) continue;  // end of forward
         if (base.host + off > host_cap) continue;
         // Host bytes matter only under a host budget (otherwise they would split fronts).
-        Label l{round_up(base.kept + c.kept_bytes, quantum),
-                host_budget < 0 ? 0 : round_up(base.host + off, quantum),
+        // Relaxed: bytes rounded down and no D2H backlog (a lower bound, Planner.h).
+        const auto round = relaxed ? round_down : round_up;
+        Label l{round(base.kept + c.kept_bytes, quantum),
+                host_budget < 0 ? 0 : round(base.host + off, quantum),
                 0.0, 0.0,
                 depth > 0 ? class_of_[k][o] + radix_ * (base.code % keep_mod) : 0,
                 static_cast<int32_t>(li), static_cast<int16_t>(o), kNoOffload};
@@ -294,7 +327,7 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
         const double prev_h2d = p.h2d.seconds(prev_off);
         auto add = [&](Label x, int8_t phase) {
           const double free = phase == kDraining ? free_draining : free_other;
-          if (x.backlog <= free) x.backlog = 0.0;
+          if (relaxed || x.backlog <= free) x.backlog = 0.0;
           x.phase = phase;
           next.push_back(x);
         };
@@ -330,7 +363,8 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
       }
     }
     result.stats.labels_created += static_cast<int64_t>(next.size());
-    prune(next, memory_only ? 0.0 : eps, memory_only ? kInf : most[k + 1], per_kept);
+    prune(next, memory_only ? 0.0 : eps, memory_only ? kInf : most[k + 1], per_kept,
+          depth == 1 ? &class_bytes_[k] : nullptr);
     result.stats.labels_kept += static_cast<int64_t>(next.size());
     result.stats.widest_layer = std::max<int64_t>(result.stats.widest_layer,
                                                   static_cast<int64_t>(next.size()));
@@ -358,6 +392,7 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
   }
   if (best < 0) return result;
   result.feasible = true;
+  result.stats.objective = best_time + p.tail_seconds + p.outside_seconds;
   result.assignment.assign(n, 0);
   for (size_t k = n, at = static_cast<size_t>(best); k-- > 0;) {
     result.assignment[k] = history[k][at].option;

@@ -22,20 +22,34 @@
 // point minus the work that runs after it (forwards after m, the tail, the backwards above
 // it), which the label's backlog carries through the later layers.
 //
-// Pruning (exact): among labels of the same (classes, phase), label A dominates B when
-//   kept_A <= kept_B, host_A <= host_B and objective_A + max(0, backlog_A - backlog_B)
-//   <= objective_B.
+// Pruning (exact): among labels of the same phase (and, at depth >= 2, the same
+// classes), label A dominates B when
+//   kept_A <= kept_B, host_A <= host_B, (depth 1) the offload bytes of A's last layer
+//   <= B's, and objective_A + max(0, backlog_A - backlog_B) <= objective_B.
 // This is sound because every constraint of the later layers is monotone in the kept and
-// host bytes, and the final objective is (objective so far) + g(backlog) with g
-// non-decreasing and 1-Lipschitz (the backlog only passes through max(0, b - x) + y and is
-// finally added to the time). Labels are swept in increasing kept bytes per (classes,
-// phase), each checked against the front of those before it. A backlog that the work
+// host bytes, the two terms that read the last layer's offload class (the next layer's
+// backward sample point and its reload stall) are non-decreasing in its bytes, and the
+// final objective is (objective so far) + g(backlog) with g non-decreasing and
+// 1-Lipschitz (the backlog only passes through max(0, b - x) + y and is finally added to
+// the time). Labels are swept in increasing kept bytes per phase (and classes), each
+// checked against the front of those before it. A backlog that the work
 // before the first reload surely drains, whatever the later layers choose, is set to 0;
 // two backlogs both at least the most work left (every later max(0, .) passes them
 // through) compare by objective + backlog alone (both exact). So the search is exact for
 // the cost model, at every depth d <= 1 and every budget (no byte grid: the brute-force
 // GoogleTest checks it), and a larger budget never gives a slower plan (the feasible set
 // only grows), unless solve() falls back (below).
+//
+// The fallback's bound: when the copies saturate the link (say 2x a forward over 100
+// layers) the exact fronts reach 10^5-10^6 labels per layer, the (time, backlog)
+// trade-off being real at every kept value. solve() then searches a byte grid with a
+// capped front (a heuristic) and proves how far its plan can be from the optimum with a
+// relaxation solved exactly on the same grid: kept and host bytes rounded DOWN (every
+// plan that meets the budgets still meets them there) and no D2H backlog (the first
+// reload's wait, the only term that reads it, is >= 0). Its optimum is <= the true
+// optimum, so stats.lower_bound bounds the plan's loss: plan / lower_bound - 1 (1.0-1.1 %
+// on the synthetic 100-layer profiles of PlannerTest, whose exact optima lie 0.4-0.5 %
+// below the plans).
 //
 // Depth d >= 2: the memory constraints are exact (the d classes), the time minimised is
 // the depth-1 time of the assignment, an upper bound of its depth-d time (a reload issued
@@ -71,10 +85,16 @@ struct SearchStats {
   int64_t widest_layer = 0;    // most labels kept after one layer
   bool exact = true;           // false: found by the fallback search (see solve())
   bool overflowed = false;     // internal: the search stopped at its label limit
+  double objective = 0.0;      // the search's objective of the plan found (seconds)
+  // A proven lower bound of the optimal objective (step seconds + traffic term) within
+  // the budgets: the objective itself when the search was exact; after the fallback, the
+  // optimum of the relaxation (see solve()); NaN where none is known (depth >= 2, a time
+  // tolerance or a byte quantum).
+  double lower_bound = 0.0;
 };
 
 // Labels one layer of the exact search may keep before solve() falls back.
-inline constexpr int64_t kMaxExactLabels = 60000;
+inline constexpr int64_t kMaxExactLabels = 20000;
 
 struct PlanResult {
   bool feasible = false;
@@ -96,7 +116,8 @@ class Planner {
   // outgrows kMaxExactLabels (copies far slower than the forwards, over many layers),
   // the search is redone with bytes rounded up to budget / 512, keeping only the 4
   // fastest labels per (classes, phase, kept quantum): a heuristic whose plan meets the
-  // budgets but whose time has no proven bound; the result says stats.exact = false.
+  // budgets; the result says stats.exact = false, and stats.lower_bound (at depth <= 1)
+  // is the relaxation's optimum of the header comment, a proven bound of its loss.
   // `allowed[k]` (optional, one bit per option) restricts the options of layer k.
   PlanResult solve(int64_t budget_bytes, const std::vector<uint64_t>& allowed = {},
                    int64_t host_budget_bytes = -1) const;
@@ -112,7 +133,8 @@ class Planner {
   // max_labels < 0: no limit.
   PlanResult search(int64_t budget_bytes, int64_t host_budget_bytes,
                     const std::vector<uint64_t>& allowed, bool memory_only, int64_t quantum,
-                    double tolerance, int64_t max_labels, int per_kept = 0) const;
+                    double tolerance, int64_t max_labels, int per_kept = 0,
+                    bool relaxed = false) const;
   std::vector<uint64_t> masks(const std::vector<uint64_t>& allowed) const;
 
   StepProfile profile_;

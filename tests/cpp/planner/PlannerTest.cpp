@@ -313,6 +313,68 @@ TEST(PlannerTest, SearchStaysSmallForHundredLayers) {
   }
 }
 
+TEST(PlannerTest, SaturatedHundredLayersIsBoundedByItsRelaxation) {
+  // 100 heterogeneous layers x 6 options, copies at twice a forward: the exact fronts
+  // outgrow the search (10^5-10^6 labels per layer) and solve() falls back (stats.exact
+  // false, printed below). Its plan is
+  // checked against an independent evaluation of the cost model: the prediction is
+  // evaluate()'s, the peak meets the budget, the proven lower bound lies below the plan
+  // and below every uniform plan that fits (each an upper bound of the optimum), and the
+  // plan is no slower than any of them.
+  for (uint32_t seed : {11u, 12u}) {
+    StepProfile p = six_options(100, seed, 2.0);
+    p.prefetch_depth = 1;
+    const Planner planner(p);
+    const int64_t none = peak_of(p, 0);
+    for (double fraction : {0.25, 0.5}) {
+      const int64_t budget = static_cast<int64_t>(fraction * static_cast<double>(none));
+      SCOPED_TRACE("seed " + std::to_string(seed) + " fraction " + std::to_string(fraction));
+      const PlanResult r = planner.solve(budget);
+      ASSERT_TRUE(r.feasible);
+      const Prediction again = evaluate(p, r.assignment);
+      EXPECT_EQ(again.peak_bytes, r.prediction.peak_bytes);
+      EXPECT_DOUBLE_EQ(again.step_seconds, r.prediction.step_seconds);
+      EXPECT_LE(again.peak_bytes, budget);
+      const double got = objective_of(r);
+      ASSERT_TRUE(std::isfinite(r.stats.lower_bound));
+      EXPECT_LE(r.stats.lower_bound, got);
+      int fitting = 0;
+      for (size_t o = 0; o < p.num_options(); ++o) {
+        const std::vector<int> uniform(p.num_layers(), static_cast<int>(o));
+        const Prediction u = evaluate(p, uniform);
+        if (u.peak_bytes > budget) continue;
+        ++fitting;
+        const double objective =
+            u.step_seconds + kTrafficSecondsPerByte * static_cast<double>(u.offload_bytes);
+        EXPECT_LE(r.stats.lower_bound, objective);
+        EXPECT_LE(got, objective);
+      }
+      EXPECT_GT(fitting, 0);
+      if (r.stats.exact) EXPECT_NEAR(r.stats.lower_bound, got, 1e-12 * got);
+      // The bound is useful: within 2 % of the plan here (measured 1.0-1.1 %).
+      EXPECT_LT(got / r.stats.lower_bound - 1.0, 0.02);
+      std::printf("[planner] saturated 100 layers, seed %u, budget %.2f none: plan %.4f s, "
+                  "lower bound %.4f s (gap %.2f %%), exact %d, %lld labels kept\n",
+                  seed, fraction, got, r.stats.lower_bound,
+                  100.0 * (got / r.stats.lower_bound - 1.0), r.stats.exact ? 1 : 0,
+                  static_cast<long long>(r.stats.labels_kept));
+    }
+  }
+}
+
+TEST(PlannerTest, LowerBoundOfAnExactSearchIsItsOptimum) {
+  StepProfile p = six_options(8, 5, 1.0);
+  const Planner planner(p);
+  const int64_t none = peak_of(p, 0);
+  const PlanResult r = planner.solve(none / 2);
+  ASSERT_TRUE(r.feasible);
+  EXPECT_TRUE(r.stats.exact);
+  EXPECT_NEAR(r.stats.lower_bound, objective_of(r), 1e-12);
+  // A byte quantum or a tolerance makes the search inexact: no bound is claimed.
+  EXPECT_TRUE(std::isnan(Planner(p, 1 << 20).solve(none / 2).stats.lower_bound));
+  EXPECT_TRUE(std::isnan(Planner(p, 1, 0.01).solve(none / 2).stats.lower_bound));
+}
+
 TEST(PlannerTest, RejectsBadInput) {
   StepProfile p = synthetic(3, 1, 1.0);
   p.layers[1].pop_back();

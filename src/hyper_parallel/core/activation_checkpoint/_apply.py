@@ -303,7 +303,9 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
               ``strategies`` attribute holding one of the forms above, typically a dict
               ``{"model.layers.0": "swap", ...}``. If it also has an int
               ``prefetch_depth`` (an :class:`ActivationPlan`: the depth it was solved
-              for), ``SwapManager().set_prefetch_depth`` is set to it.
+              for), ``SwapManager().set_prefetch_depth`` is set to it; if it has an int
+              ``offload_window`` (an :class:`ActivationPlan`: 0, the schedule its cost
+              model describes), the engine's offload window is set to it.
         layers: which modules are the layers, in forward order: ``None`` (default:
             :func:`find_layers`), a list of fully qualified names or of modules (wrapped
             or not), or a predicate ``predicate(name, module) -> bool`` (matches in
@@ -346,6 +348,11 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
                               or depth < 0):
         raise ValueError(f"hyper_parallel: the plan's prefetch_depth must be an int >= 0, got "
                          f"{depth!r}")
+    window = getattr(plan, "offload_window", None) if isinstance(plan, LayerPlan) else None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 0):
+        raise ValueError(f"hyper_parallel: the plan's offload_window must be an int >= 0 "
+                         f"(0: unlimited), got {window!r}")
     previous: _Applied | None = unwrapped(model).__dict__.get(_STATE)
     ours = {id(w) for w in (previous.chained if previous else ())} | {
         id(s.current) for s in (previous.slots if previous else ())}
@@ -364,6 +371,10 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     remove_activation_memory(model)
     if depth is not None:
         SwapManager().set_prefetch_depth(depth)  # the depth the plan was solved for
+    if window is not None:
+        from ..._extension import _C  # noqa: PLC0415
+
+        _C.set_offload_window(window)  # the schedule the plan's cost model describes
     originals = [s.layer for s in slots]
     done: list[int] = []
     chain: list[nn.Module] = []

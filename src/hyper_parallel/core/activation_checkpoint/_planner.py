@@ -58,10 +58,22 @@ class ActivationPlan:
         rows: one :class:`PlanRow` per layer, forward order.
         prefetch_depth: the engine's prefetch depth the plan was solved for;
             :func:`apply_activation_memory` sets ``SwapManager().set_prefetch_depth`` to it.
+        offload_window: the engine's offload window the cost model describes (0: every
+            release point submits its offload at once, SPEC 3's schedule);
+            :func:`apply_activation_memory` sets the engine to it. (With the default
+            window of 2 and a link slower than the forwards, released layers wait on the
+            device and those still waiting at the turn are never offloaded: more peak
+            bytes than planned, measured 7.0 MiB for a 5.4 MiB budget at offload = 2x
+            forward in bench_planner.py.)
         host_budget_bytes: the host budget it was planned for (``None``: unbounded).
         exact: whether the optimizer's exact search found it (``False``: its fronts grew
             too large, copies saturating the link over many layers, and the heuristic
             fallback of ``Planner.h`` did; the plan still meets the budgets).
+        lower_bound_seconds: a proven lower bound of the fastest predicted step within the
+            budgets (seconds; for an exact plan its own time, after the fallback the
+            optimum of the relaxation of ``Planner.h``), so the plan is at most
+            ``predicted_step_seconds / lower_bound_seconds - 1`` slower than the optimum
+            of the cost model; ``None`` where none is known (prefetch depth >= 2).
     """
 
     strategies: dict[str, str]
@@ -74,8 +86,10 @@ class ActivationPlan:
     predicted_stall_seconds: float = 0.0
     rows: list[PlanRow] = field(default_factory=list)
     prefetch_depth: int = 1
+    offload_window: int = 0
     host_budget_bytes: int | None = None
     exact: bool = True
+    lower_bound_seconds: float | None = None
 
     def explain(self) -> str:
         """A table: per layer, the choice, saved / offloaded / recomputed bytes, the time
@@ -87,6 +101,10 @@ class ActivationPlan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        bound = ""
+        if not self.exact and self.lower_bound_seconds:
+            gap = self.predicted_step_seconds / self.lower_bound_seconds - 1
+            bound = f"; proven within {gap:.2%} of the optimum"
         ratio = self.predicted_step_seconds / self.none_step_seconds \
             if self.none_step_seconds > 0 else float("nan")
         lines.append(
@@ -99,7 +117,8 @@ class ActivationPlan:
             + (f" (host budget {_fmt_bytes(self.host_budget_bytes)})"
                if self.host_budget_bytes is not None else "")
             + f"; solved for prefetch depth {self.prefetch_depth}"
-            + ("" if self.exact else " (heuristic search: the exact one grew too large)"))
+            + ("" if self.exact
+               else f" (heuristic search: the exact one grew too large{bound})"))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -197,7 +216,8 @@ def predict(profile: ActivationProfile, strategies: Sequence[str] | dict, *,
 
 
 def _plan(profile: ActivationProfile, assignment: list[int], prediction: dict,
-          budget: int, depth: int, host_budget: int | None, exact: bool = True) -> ActivationPlan:
+          budget: int, depth: int, host_budget: int | None, stats: dict | None = None) \
+        -> ActivationPlan:
     names = [profile.strategies[i] for i in assignment]
     none = predict(profile, ["none"] * len(names), prefetch_depth=depth)
     n = len(names)
@@ -224,8 +244,13 @@ def _plan(profile: ActivationProfile, assignment: list[int], prediction: dict,
         rows=rows,
         prefetch_depth=int(depth),
         host_budget_bytes=None if host_budget is None else int(host_budget),
-        exact=bool(exact),
+        exact=bool((stats or {}).get("exact", True)),
+        lower_bound_seconds=_finite((stats or {}).get("lower_bound_seconds")),
     )
+
+
+def _finite(x) -> float | None:
+    return float(x) if x is not None and math.isfinite(float(x)) else None
 
 
 def _why(profile: ActivationProfile, k: int, s: str, kept: int, off: int, added: float,
@@ -287,7 +312,7 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
     found = planner.solve(int(budget_bytes), allowed, host)
     if found is not None:
         return _plan(profile, found[0], found[1], budget_bytes, depth, host_budget_bytes,
-                     found[2]["exact"])
+                     found[2])
     host_text = "" if host_budget_bytes is None else \
         f" and its host bytes within {_fmt_bytes(host_budget_bytes)} ({host_budget_bytes} bytes)"
     low = planner.min_peak(allowed, host)
@@ -297,7 +322,7 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
             f"bytes within {_fmt_bytes(host_budget_bytes)} ({host_budget_bytes} bytes) "
             "whatever the device budget. Raise host_budget_bytes.",
             int(budget_bytes), None, None, host_budget_bytes)
-    plan = _plan(profile, low[0], low[1], budget_bytes, depth, host_budget_bytes, low[2]["exact"])
+    plan = _plan(profile, low[0], low[1], budget_bytes, depth, host_budget_bytes, low[2])
     choice = ", ".join(f"{k}: {n}" for k, n in _counts(plan).items())
     raise InfeasibleBudgetError(
         f"hyper_parallel: no plan of the candidates ({', '.join(names)}) keeps the peak of "
@@ -374,7 +399,8 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
     within ``budget_bytes`` at the least predicted step time.
 
     Profiles ``step_fn`` a few times on the model's device (one warm-up step of "none"
-    and two steps per candidate strategy; see :func:`profile_activation_memory`), then
+    and three steps per candidate strategy, in interleaved rounds; see
+    :func:`profile_activation_memory`), then
     solves exactly, in C++, over all per-layer assignments with the cost model of SPEC 3's
     swap schedule (offload of layer k overlaps the following forwards on a FIFO D2H
     stream; its reload is issued when layer k+d's backward begins, d the prefetch depth,

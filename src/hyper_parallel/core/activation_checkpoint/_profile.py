@@ -1,8 +1,10 @@
 """Profiling a training step for the planner (docs/design.md, "Planner").
 
-``repeats`` (default 2) measured steps per candidate strategy, applied to every layer at
-once (plus one warm-up step), on the device the model is on; times are the least over the
-repeats. Per layer and strategy it records what the
+``repeats`` (default 3) measured steps per candidate strategy, applied to every layer at
+once (plus one warm-up step), in interleaved rounds (one step of every candidate per
+round), on the device the model is on; times are the median over the repeats (a timed
+run reports typical steps, and the least of a few would predict every plan faster than
+it runs). Per layer and strategy it records what the
 cost model of ``csrc/hyper_parallel/planner/CostModel.h`` needs:
 
 * ``kept_bytes``: how much the library's meter (:func:`saved_activation_memory`) grew
@@ -17,13 +19,18 @@ cost model of ``csrc/hyper_parallel/planner/CostModel.h`` needs:
 and, outside the layers: the bytes saved before the first layer (held all step), those
 saved after the last one (the head and loss, freed before the layers' backward), the
 time between the last layer's forward and its backward, the rest of the step time, and
-the copy link: seconds per byte and latency of the engine's own D2H and H2D copies
-(a manual swap group of two sizes, each direction timed; on the CPU backend this
-includes its artificial per-byte delay).
+the copy link: seconds per byte and latency of the engine's own D2H and H2D copies, fitted
+to the service times of the copies on the engine's timeline (``activation_trace``): those
+of the profiled swapping steps plus a probe of two sizes. Only the copies are timed (a
+wall-clock probe would count the probe's own compute as link time: it had measured the
+CPU backend's link 1.4-3x slower than it is, and the model then saw stalls that do not
+happen). On the CPU backend this includes its artificial per-byte delay.
 """
 
 from __future__ import annotations
 
+import contextlib
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -36,6 +43,8 @@ from ._apply import STRATEGIES, apply_activation_memory, applied_report, remove_
 from ._layers import resolve_layer_slots
 from ._memory import saved_activation_memory
 from ._swap_manager import SwapManager
+from ._trace import activation_trace
+from ..._extension import _C
 
 #: The planner's default candidates, in the order they are profiled.
 DEFAULT_CANDIDATES = ("none", "checkpoint", "selective", "swap", "selective_swap",
@@ -313,24 +322,98 @@ def _sin_of_copy(a: torch.Tensor) -> torch.Tensor:
     return (a * 1.0).sin()
 
 
-def measure_copy_links(device: torch.device, nbytes: int, repeats: int = 2) \
+def _copy_points(items) -> dict[str, list[tuple[int, float]]]:
+    """Per copy direction, (bytes, service seconds) of every copy in a trace: from the
+    later of its enqueue and the end of the copy before it on the same stream and device
+    (a FIFO stream serves one copy at a time) to its end. Compute is not in it."""
+    out: dict[str, list[tuple[int, float]]] = {"d2h": [], "h2d": []}
+    last: dict = {}
+    copies = sorted((i for i in items if i["kind"] == "copy" and i["stream"] in out),
+                    key=lambda i: i["start_ns"])
+    for it in copies:
+        key = (it["stream"], it["device"])
+        begin = max(it["enqueue_ns"], last.get(key, it["enqueue_ns"]))
+        last[key] = max(it["end_ns"], last.get(key, 0))
+        if it["bytes"] > 0:
+            out[it["stream"]].append((int(it["bytes"]), max(0, it["end_ns"] - begin) * 1e-9))
+    return out
+
+
+def fit_copy_link(points: Sequence[tuple[int, float]]) -> CopyLink:
+    """Latency + seconds per byte fitted to (bytes, seconds) copy samples: the median time
+    of each distinct size, then least squares over the sizes (each size weighs the same,
+    so many copies of one size do not drown the others). Negative latency: a line through
+    the origin; one size: all of its time per byte. Raises ValueError without samples."""
+    if not points:
+        raise ValueError("hyper_parallel: no copy samples to fit a copy link to")
+    by_size: dict[int, list[float]] = {}
+    for nbytes, seconds in points:
+        by_size.setdefault(int(nbytes), []).append(float(seconds))
+    xs = sorted(by_size)
+    ys = [statistics.median(by_size[x]) for x in xs]
+    if len(xs) == 1:
+        return CopyLink(0.0, ys[0] / xs[0])
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    vx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / vx
+    latency = my - slope * mx
+    if slope < 0.0:
+        return CopyLink(max(0.0, my), 0.0)
+    if latency < 0.0:
+        return CopyLink(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
+    return CopyLink(latency, slope)
+
+
+@contextlib.contextmanager
+def _copy_trace(into: dict[str, list[tuple[int, float]]] | None):
+    """Records the engine's copies of the enclosed code into ``into`` (per direction,
+    :func:`_copy_points`); does nothing when ``into`` is None."""
+    if into is None:
+        yield
+        return
+    with activation_trace() as trace:
+        yield
+    for direction, pts in _copy_points(trace.items).items():
+        into[direction] += pts
+
+
+def _trace_free() -> bool:
+    """True when no activation_trace is recording (the profile may record its own)."""
+    try:
+        _C.trace_start()
+    except RuntimeError:
+        return False
+    _C.trace_stop()
+    return True
+
+
+def measure_copy_links(device: torch.device, nbytes: int, repeats: int = 5,
+                       samples: dict[str, list[tuple[int, float]]] | None = None) \
         -> tuple[CopyLink, CopyLink]:
-    """Times the engine's own offload and reload of one saved tensor of ``nbytes`` and of
-    ``nbytes // 4`` bytes (a ``swap`` region outside any chain: released at its end,
-    reloaded when its backward starts; the fastest of ``repeats`` kept) and fits latency
-    + seconds per byte for each direction. The reload time includes the tiny backward of
-    ``sin``. On the CPU backend the engine's per-byte delay is part of what is measured."""
+    """Fits latency + seconds per byte of the engine's own D2H and H2D copies.
+
+    Offloads and reloads one saved tensor of ``nbytes`` and of ``nbytes // 4`` bytes
+    (a ``swap`` region outside any chain: released at its end, reloaded when its backward
+    starts), ``repeats`` times each. The copy times come from the engine's timeline
+    (:func:`activation_trace`: each copy's service time on its stream, no compute in it),
+    pooled with ``samples`` (more (bytes, seconds) per direction, e.g. the copies of the
+    profiled steps) and fitted by :func:`fit_copy_link`. On the CPU backend the engine's
+    per-byte delay is part of what is measured. If another ``activation_trace`` is
+    recording, the wall times around the offload (to ``synchronize()``) and around the
+    backward are fitted instead (they include the small ``sin`` forward and backward).
+    """
     from ._swap import swap
 
     manager = SwapManager()
     sizes = (max(1 << 14, nbytes // 4) // 4 * 4, max(1 << 16, nbytes) // 4 * 4)
-    best = {}
+    traced = _trace_free()
+    points: dict[str, list[tuple[int, float]]] = {"d2h": [], "h2d": []}
+    wall: dict[str, list[tuple[int, float]]] = {"d2h": [], "h2d": []}
     for size in sizes:
-        d2h = h2d = float("inf")
         for _ in range(repeats):
             x = torch.zeros(size // 4, dtype=torch.float32, device=device, requires_grad=True)
             _sync(device)
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _copy_trace(points if traced else None):
                 warnings.simplefilter("ignore")  # "unscheduled region": intended here
                 t0 = time.perf_counter()
                 y = swap(_sin_of_copy, x)
@@ -340,37 +423,39 @@ def measure_copy_links(device: torch.device, nbytes: int, repeats: int = 2) \
                 y.sum().backward()
                 _sync(device)
                 t2 = time.perf_counter()
-            d2h, h2d = min(d2h, t1 - t0), min(h2d, t2 - t1)
+            wall["d2h"].append((size, t1 - t0))
+            wall["h2d"].append((size, t2 - t1))
             del x, y
-        best[size] = (d2h, h2d)
-    small, large = sizes
-
-    def fit(i: int) -> CopyLink:
-        t_small, t_large = best[small][i], best[large][i]
-        per_byte = max(0.0, (t_large - t_small) / (large - small))
-        return CopyLink(max(0.0, t_small - per_byte * small), per_byte)
-
-    return fit(0), fit(1)
+    if not traced or not points["d2h"] or not points["h2d"]:
+        # The fastest of the repeats per size (the wall times carry the compute's noise).
+        return tuple(fit_copy_link([(b, min(t for bb, t in wall[d] if bb == b))
+                                    for b in sizes]) for d in ("d2h", "h2d"))
+    for direction in points:
+        points[direction] += (samples or {}).get(direction, [])
+    return fit_copy_link(points["d2h"]), fit_copy_link(points["h2d"])
 
 
-def _fastest(runs: list[dict]) -> dict:
+def _typical(runs: list[dict]) -> dict:
     """Several steps of one strategy: bytes of the last one (they are deterministic), each
-    time the least over the steps (robust against other jobs on the machine)."""
+    time the median over the steps (what a timed run of many steps reports; the least
+    would predict every plan faster than it typically runs)."""
     out = dict(runs[-1])
     out["costs"] = [LayerCost(c.kept_bytes, c.offload_bytes,
-                              min(r["costs"][k].forward_seconds for r in runs),
-                              min(r["costs"][k].backward_seconds for r in runs))
+                              statistics.median(r["costs"][k].forward_seconds for r in runs),
+                              statistics.median(r["costs"][k].backward_seconds for r in runs))
                     for k, c in enumerate(runs[-1]["costs"])]
     for key in ("step_seconds", "tail_seconds", "outside_seconds"):
-        out[key] = min(r[key] for r in runs)
+        out[key] = statistics.median(r[key] for r in runs)
     return out
 
 
 def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *,
                               layers=None, candidates=None,
-                              repeats: int = 2) -> ActivationProfile:
+                              repeats: int = 3) -> ActivationProfile:
     """Profiles ``step_fn`` under each candidate strategy (``repeats`` steps each, after
-    one warm-up step of ``"none"``) and measures the copy link.
+    one warm-up step of ``"none"``; times: the median) and measures the copy link (the
+    engine's own copies during the swapping steps and a two-size probe, timed on the
+    engine's timeline).
 
     Args:
         model: the model whose layers will be planned (``nn.Module``).
@@ -381,7 +466,7 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
         candidates: strategy names to profile (default :data:`DEFAULT_CANDIDATES`);
             ``"none"`` is always profiled. Swapping strategies are dropped when the model
             is on the host and CPU swap is off (nothing could be swapped).
-        repeats: measured steps per strategy (times: the least; default 2).
+        repeats: measured steps per strategy (times: the median; default 3).
 
     Returns:
         An :class:`ActivationProfile`. Under ``torch.distributed`` every rank profiles and
@@ -410,24 +495,42 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
     for p in params:
         p.grad = None
     runs: dict[str, dict] = {}
+    # The cost model's schedule submits every offload at its release point: profile with
+    # the engine's offload window off, or a slow link would keep released layers on the
+    # device and move their offload bytes to later layers' counters.
+    window = _C.offload_window()
+    _C.set_offload_window(0)
     try:
         link_d2h = link_h2d = CopyLink(0.0, 0.0)
         remove_activation_memory(model)
         _run_step(step_fn, model, layer_names, device, params)  # warm-up
-        runs["none"] = _fastest([_run_step(step_fn, model, layer_names, device, params)
-                                 for _ in range(repeats)])
+        # The copies of the swapping steps themselves are samples of the link (sizes and
+        # contention of the real step), recorded from the engine's timeline.
+        samples = {"d2h": [], "h2d": []} if _trace_free() else None
+        # Interleaved rounds (one step of every candidate per round): a slow spell of a
+        # shared machine then slows every candidate alike instead of all the steps of
+        # one, which the planner would then avoid or, worse, prefer (it picks per layer
+        # whatever was measured fastest, so noise that favours one strategy biases its
+        # plans' predictions low).
+        steps: dict[str, list[dict]] = {name: [] for name in names}
+        SwapManager().reset_stats()
+        for _ in range(repeats):
+            for name in names:
+                if name != "none":
+                    apply_activation_memory(model, name, layers=layer_names)
+                try:
+                    with _copy_trace(samples if STRATEGIES[name].swaps else None):
+                        steps[name].append(_run_step(step_fn, model, layer_names, device,
+                                                     params))
+                finally:
+                    remove_activation_memory(model)
+        runs = {name: _typical(steps[name]) for name in names}
         if any(STRATEGIES[n].swaps for n in names):
             typical = max(c.kept_bytes for c in runs["none"]["costs"])
-            link_d2h, link_h2d = measure_copy_links(device, max(1 << 16, typical))
-        for name in names[1:]:
-            apply_activation_memory(model, name, layers=layer_names)
-            try:
-                SwapManager().reset_stats()
-                runs[name] = _fastest([_run_step(step_fn, model, layer_names, device, params)
-                                       for _ in range(repeats)])
-            finally:
-                remove_activation_memory(model)
+            link_d2h, link_h2d = measure_copy_links(device, max(1 << 16, typical),
+                                                    samples=samples)
     finally:
+        _C.set_offload_window(window)
         remove_activation_memory(model)
         for p, g in zip(params, grads):
             p.grad = g

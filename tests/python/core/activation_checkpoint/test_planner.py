@@ -257,3 +257,54 @@ def test_prefetch_depth_is_planned_recorded_and_applied(profiled):
         for p in model.parameters():
             p.grad = None
     assert prof.plan(budget, prefetch_depth=0).prefetch_depth == 0
+
+
+def test_plan_runs_with_the_offload_window_its_model_describes(profiled):
+    """The cost model submits every offload at its release point. The engine's default
+    offload window (2) keeps released layers on the device while two copies are in flight
+    (and never offloads those still waiting at the turn), so a plan applied with it can
+    exceed its budget on a slow link: applying a plan sets the window to the plan's (0),
+    and profiling leaves the window as it found it (and profiles with it off)."""
+    from hyper_parallel._extension import _C
+
+    model, x, prof = profiled
+    plan = prof.plan(int(0.6 * prof.none_peak_bytes))
+    assert plan.offload_window == 0
+    assert ActivationPlan.from_json(plan.to_json()).offload_window == 0
+    manager = SwapManager()
+    _C.set_offload_window(2)
+    try:
+        manager.set_cpu_swap(True, delay_ns_per_byte=0.0)
+        apply_activation_memory(model, plan)
+        assert _C.offload_window() == 0
+        remove_activation_memory(model)
+        _C.set_offload_window(3)
+        profile_activation_memory(model, lambda: model(x).backward(), candidates=["swap"])
+        assert _C.offload_window() == 3
+    finally:
+        remove_activation_memory(model)
+        manager.set_cpu_swap(False, delay_ns_per_byte=0.0)
+        _C.set_offload_window(0)  # the test session's setting (conftest)
+        for p in model.parameters():
+            p.grad = None
+    bad = ActivationPlan.from_json(plan.to_json())
+    bad.offload_window = -1
+    with pytest.raises(ValueError, match="hyper_parallel: the plan's offload_window"):
+        apply_activation_memory(model, bad)
+
+
+def test_exact_plan_carries_its_own_time_as_lower_bound(profiled):
+    _, _, prof = profiled
+    plan = prof.plan(int(0.5 * prof.none_peak_bytes))
+    assert plan.exact
+    # The bound is the search's objective: the predicted step plus the 1e-15 s/byte
+    # traffic tie-break.
+    assert plan.lower_bound_seconds == pytest.approx(
+        plan.predicted_step_seconds + 1e-15 * plan.predicted_offload_bytes, rel=1e-9)
+    # A fallback plan states its proven gap in explain().
+    fallback = ActivationPlan.from_json(plan.to_json())
+    fallback.exact = False
+    fallback.lower_bound_seconds = plan.predicted_step_seconds / 1.0125
+    assert "proven within 1.25% of the optimum" in fallback.explain()
+    fallback.lower_bound_seconds = None
+    assert "heuristic search" in fallback.explain() and "proven" not in fallback.explain()
