@@ -281,6 +281,7 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
             _sync(device)
         end = time.perf_counter()
         peak = meter.peak_bytes
+        got_grads = any(p.grad is not None for p in params)
     finally:
         probe.meter = None
         probe.remove()
@@ -303,6 +304,9 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
     busy = sum(c.forward_seconds + c.backward_seconds for c in costs)
     return {
         "costs": costs,
+        "ran_forward": [t > 0.0 for t in probe.fwd_start],
+        "forward_starts": list(probe.fwd_start),
+        "ran_backward": got_grads or any(t is not None for t in probe.bwd_end),
         "peak_bytes": int(peak),
         "step_seconds": end - start,
         "base_bytes": int(probe.mem_before[0]),
@@ -311,6 +315,76 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
         "outside_seconds": max(0.0, end - start - busy - tail_seconds),
         "output_bytes": list(probe.out_bytes),
     }
+
+
+class _ModelState:
+    """What profiling must leave as it found it (issue 11 tester R1, R2, R7): every
+    buffer's object and values (BatchNorm statistics move at every training step), the
+    random number generators of the host and the model's device (dropout draws), and the
+    parameters, which a step must not change at all (their version counters are checked:
+    an in-place update, e.g. ``optimizer.step()`` in ``step_fn``, is refused; parameters
+    are not copied, so planning costs no second copy of the weights)."""
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter],
+                 device: torch.device) -> None:
+        self.params = params
+        self.versions = [p._version for p in params]
+        self.buffers = [(m, name, b, b.detach().clone())
+                        for m in model.modules()
+                        for name, b in m._buffers.items() if b is not None]
+        self.cpu_rng = torch.get_rng_state()
+        self.device = device
+        self.device_rng = None
+        backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+        if backend is not None and hasattr(backend, "get_rng_state"):
+            try:
+                self.device_rng = backend.get_rng_state(device)
+            except (RuntimeError, TypeError):  # a backend without per-device RNG state
+                self.device_rng = None
+
+    def check_parameters(self) -> None:
+        for p, v in zip(self.params, self.versions):
+            if p._version != v:
+                raise RuntimeError(
+                    "hyper_parallel: step_fn changed the model's parameters in place (an "
+                    "optimizer.step() or a weight update in the step?). plan_activation_memory "
+                    "runs step_fn several times to profile it and must leave the weights as "
+                    "they are: pass a step that only runs the forward and backward, e.g. "
+                    "lambda: model(**batch).loss.backward(), and step the optimizer outside.")
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for module, name, original, saved in self.buffers:
+                original.copy_(saved)  # values changed in place (running statistics)
+                module._buffers[name] = original  # or the buffer was reassigned
+        torch.set_rng_state(self.cpu_rng)
+        if self.device_rng is not None:
+            getattr(torch, self.device.type).set_rng_state(self.device_rng, self.device)
+
+
+def _check_warmup(run: dict, layer_names: list[str]) -> None:
+    """The first profiled step ran every layer, in the given order, and a backward."""
+    missing = [n for n, ran in zip(layer_names, run["ran_forward"]) if not ran]
+    if len(missing) == len(layer_names):
+        raise ValueError(
+            "hyper_parallel: step_fn ran none of the layers' forwards; it must run one "
+            "training step of this model (forward and backward), e.g. lambda: "
+            "model(**batch).loss.backward().")
+    if missing:
+        raise ValueError(
+            f"hyper_parallel: step_fn did not run the forward of layer(s) {missing}; plan "
+            "only the layers the step runs (layers=...), or give a step that runs them all.")
+    if not run["ran_backward"]:
+        raise ValueError(
+            "hyper_parallel: step_fn ran the forward but no backward (no parameter got a "
+            "gradient); it must run one full training step without the optimizer, e.g. "
+            "lambda: model(**batch).loss.backward().")
+    starts = run["forward_starts"]
+    for a, b, sa, sb in zip(layer_names, layer_names[1:], starts, starts[1:]):
+        if sb < sa:
+            raise ValueError(
+                f"hyper_parallel: the layers are not in forward order: {b!r} runs before "
+                f"{a!r}. Give layers= in the order the model's forward calls them.")
 
 
 def _can_swap(device: torch.device) -> bool:
@@ -461,7 +535,9 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
         model: the model whose layers will be planned (``nn.Module``).
         step_fn: runs one forward and backward of the real training step, no optimizer
             step. Gradients it accumulates are discarded: every parameter's ``.grad`` is
-            as it was before the call when this returns.
+            as it was before the call when this returns, and so are the buffers (values
+            and objects: BatchNorm statistics) and the host's and the device's random
+            number generators.
         layers: which modules are the layers (as for :func:`apply_activation_memory`).
         candidates: strategy names to profile (default :data:`DEFAULT_CANDIDATES`);
             ``"none"`` is always profiled. Swapping strategies are dropped when the model
@@ -473,7 +549,11 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
         all ranks get the worst figures of all ranks (largest bytes and times, slowest link).
 
     Raises:
-        ValueError: for an unknown candidate or ``layers`` that match nothing.
+        ValueError: for an unknown candidate or ``layers`` that match nothing; when the
+            first step runs none or only some of the layers, runs no backward, or runs
+            the layers in another order than ``layers`` gives.
+        RuntimeError: when ``step_fn`` changes a parameter in place (an optimizer step);
+            the model is restored before it is raised, as for any error of ``step_fn``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"hyper_parallel: profile_activation_memory expects an nn.Module, got "
@@ -491,6 +571,7 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
     slots = resolve_layer_slots(model, layers)
     layer_names = [s.name for s in slots]
     previous = applied_report(model)
+    state = _ModelState(model, params, device)
     grads = [p.grad for p in params]
     for p in params:
         p.grad = None
@@ -503,7 +584,9 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
     try:
         link_d2h = link_h2d = CopyLink(0.0, 0.0)
         remove_activation_memory(model)
-        _run_step(step_fn, model, layer_names, device, params)  # warm-up
+        warmup = _run_step(step_fn, model, layer_names, device, params)
+        state.check_parameters()
+        _check_warmup(warmup, layer_names)
         # The copies of the swapping steps themselves are samples of the link (sizes and
         # contention of the real step), recorded from the engine's timeline.
         samples = {"d2h": [], "h2d": []} if _trace_free() else None
@@ -524,6 +607,7 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
                                                      params))
                 finally:
                     remove_activation_memory(model)
+                state.check_parameters()
         runs = {name: _typical(steps[name]) for name in names}
         if any(STRATEGIES[n].swaps for n in names):
             typical = max(c.kept_bytes for c in runs["none"]["costs"])
@@ -532,6 +616,7 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
     finally:
         _C.set_offload_window(window)
         remove_activation_memory(model)
+        state.restore()
         for p, g in zip(params, grads):
             p.grad = g
         if previous is not None:
