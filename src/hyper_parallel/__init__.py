@@ -33,7 +33,15 @@ __all__ = ["__version__", *_OWN_REEXPORTS, *_TORCH_REEXPORTS]
 def __getattr__(name):
     module = _OWN_REEXPORTS.get(name) or _TORCH_REEXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'hyper_parallel' has no attribute {name!r}")
+        hint = ""
+        if not name.startswith("_"):
+            import importlib
+
+            api = importlib.import_module("hyper_parallel.core.activation_checkpoint")
+            if name in getattr(api, "__all__", ()):
+                hint = (f"; import it from hyper_parallel.core.activation_checkpoint (from "
+                        f"hyper_parallel.core.activation_checkpoint import {name})")
+        raise AttributeError(f"module 'hyper_parallel' has no attribute {name!r}{hint}")
     import importlib
 
     value = getattr(importlib.import_module(module), name)

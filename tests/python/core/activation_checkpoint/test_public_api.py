@@ -45,3 +45,13 @@ def test_missing_extension_names_the_build_command(monkeypatch):
     with pytest.raises(ImportError, match=r"hyper_parallel: .*bash scripts/setup\.sh.*"
                                           r"pip install --no-build-isolation"):
         ext.load_extension()
+
+
+def test_a_name_of_the_api_missing_at_the_top_level_says_where_it_lives():
+    import hyper_parallel
+
+    with pytest.raises(AttributeError, match="import it from hyper_parallel.core."
+                                             "activation_checkpoint"):
+        hyper_parallel.SwapManager  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'$"):
+        hyper_parallel.no_such_name  # noqa: B018
