@@ -147,6 +147,7 @@ class _Applied:
     chained: list[nn.Module]          # the objects registered in the chain, in order
     use_cache: list[Any]              # configs whose use_cache was turned off
     report: ActivationMemoryReport
+    options: dict                     # policy_fn, swap_inputs, group_swap of the call
 
 
 _STATE = "_hp_activation_memory"
@@ -411,7 +412,9 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
         layers=tuple(LayerEntry(s.name, st, type(wrappers[i]).__name__ if i in wrappers else "-")
                      for i, (s, st) in enumerate(zip(slots, strategies))),
         chained=bool(chain), use_cache_disabled=bool(configs))
-    unwrapped(model).__dict__[_STATE] = _Applied(slots, originals, chain, configs, report)
+    unwrapped(model).__dict__[_STATE] = _Applied(
+        slots, originals, chain, configs, report,
+        {"policy_fn": policy_fn, "swap_inputs": swap_inputs, "group_swap": group_swap})
     return report
 
 
@@ -467,3 +470,10 @@ def applied_report(model: nn.Module) -> ActivationMemoryReport | None:
     """The report of the plan currently applied to ``model``, or ``None``."""
     state = unwrapped(model).__dict__.get(_STATE)
     return None if state is None else state.report
+
+
+def applied_options(model: nn.Module) -> dict | None:
+    """The ``policy_fn``, ``swap_inputs`` and ``group_swap`` the plan currently applied to
+    ``model`` was applied with (to apply it again as it was), or ``None``."""
+    state = unwrapped(model).__dict__.get(_STATE)
+    return None if state is None else dict(state.options)

@@ -39,7 +39,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from ._apply import STRATEGIES, apply_activation_memory, applied_report, remove_activation_memory
+from ._apply import (STRATEGIES, applied_options, applied_report, apply_activation_memory,
+                     remove_activation_memory)
 from ._layers import resolve_layer_slots
 from ._memory import saved_activation_memory
 from ._swap_manager import SwapManager
@@ -570,7 +571,7 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
         names = [n for n in names if not STRATEGIES[n].swaps]
     slots = resolve_layer_slots(model, layers)
     layer_names = [s.name for s in slots]
-    previous = applied_report(model)
+    previous, previous_options = applied_report(model), applied_options(model)
     state = _ModelState(model, params, device)
     grads = [p.grad for p in params]
     for p in params:
@@ -619,8 +620,9 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
         state.restore()
         for p, g in zip(params, grads):
             p.grad = g
-        if previous is not None:
-            apply_activation_memory(model, previous.strategies(), layers=layer_names)
+        if previous is not None:  # the user's own application, with its own options
+            apply_activation_memory(model, previous.strategies(), layers=layer_names,
+                                    **previous_options)
     none = runs["none"]
     profile = ActivationProfile(
         layer_names=layer_names,

@@ -184,3 +184,24 @@ def test_layers_out_of_forward_order_are_refused():
                                layers=["layers.1", "layers.0", "layers.2"],
                                candidates=["none", "checkpoint"])
     apply_activation_memory(model, "none")  # still usable
+
+
+def test_an_existing_application_comes_back_with_its_options():
+    # R12: profiling removes the user's application and puts it back afterwards, with the
+    # options it was applied with (swap_inputs, group_swap, policy_fn), not only its
+    # strategies.
+    from hyper_parallel.core.activation_checkpoint._apply import applied_options
+
+    model = _BnStack()
+    x = torch.randn(8, 16)
+    report = apply_activation_memory(model, "checkpoint", swap_inputs=True, group_swap=True)
+    assert report.chained  # swap_inputs chains the layers
+    profile_activation_memory(model, lambda: model(x).sum().backward(),
+                              candidates=["none", "checkpoint"], repeats=1)
+    from hyper_parallel.core.activation_checkpoint._apply import applied_report
+
+    again = applied_report(model)
+    assert again is not None and again.chained
+    assert again.strategies() == report.strategies()
+    assert applied_options(model) == {"policy_fn": None, "swap_inputs": True,
+                                      "group_swap": True}
