@@ -315,6 +315,8 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
               for), ``SwapManager().set_prefetch_depth`` is set to it; if it has an int
               ``offload_window`` (an :class:`ActivationPlan`: 0, the schedule its cost
               model describes), the engine's offload window is set to it.
+              :func:`remove_activation_memory` (or applying again) puts back the depth
+              and window that were in place before.
         layers: which modules are the layers, in forward order: ``None`` (default:
             :func:`find_layers`), a list of fully qualified names or of modules (wrapped
             or not), or a predicate ``predicate(name, module) -> bool`` (matches in
@@ -335,7 +337,8 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     Raises:
         ValueError: for an unknown strategy, a plan that does not fit the layers, a layer
             already wrapped by hand, a policy that no layer of the plan uses, no layers
-            found (pass ``layers=``), or a ``transformers`` model with its own gradient
+            found (pass ``layers=``), two dict keys naming one layer (e.g. ``-1`` and
+            ``2`` of 3 layers), or a ``transformers`` model with its own gradient
             checkpointing on (call ``model.gradient_checkpointing_disable()`` first).
         TypeError: for a plan, ``layers`` or ``policy_fn`` of the wrong kind or call
             shape.

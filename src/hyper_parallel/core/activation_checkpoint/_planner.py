@@ -350,7 +350,8 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
     Args:
         profile: what :func:`profile_activation_memory` measured.
         budget_bytes: the largest peak of saved-activation bytes on the device (int).
-        candidates: the strategies to choose from (profiled ones; default: all of them).
+        candidates: the strategies to choose from (profiled ones; default: all of them);
+            an empty list is refused.
         prefetch_depth: the engine's prefetch depth to plan for (default: the current
             ``SwapManager().get_prefetch_depth()``); the plan records it.
         host_budget_bytes: the most bytes the plan's offloads may hold on the host (int;
@@ -517,7 +518,8 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
         layers: which modules are the layers (as for :func:`apply_activation_memory`).
         candidates: strategies to choose from (default: none, checkpoint, selective,
             swap, selective_swap, checkpoint_swap); "none" is always among them (it is
-            the baseline every figure is measured against).
+            the baseline every figure is measured against); an empty list is refused
+            before profiling.
         host_budget_bytes: the most bytes the plan's offloads may hold on the host at
             once (an int, a size string as :func:`parse_budget` reads it, or a
             :class:`PinnedMemoryPool`, whose ``max_host_bytes`` less 20 % for its block
