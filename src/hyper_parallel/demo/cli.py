@@ -44,9 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                    help="comma-separated list of: " + ", ".join(STRATEGIES) + ", " + AUTO +
                         " (the planner's per-layer plan under --budget)")
-    p.add_argument("--budget", default="0.4",
-                   help="for 'auto': the peak of saved activations allowed, a fraction of "
-                        "none's measured peak (0.4) or bytes with a unit (300MiB)")
+    p.add_argument("--budget", default=None,
+                   help="only with 'auto' in --strategies: the peak of saved activations "
+                        "allowed, a fraction of none's measured peak (default 0.4) or bytes "
+                        "with a unit (300MiB)")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"],
                    help="seed of the initial weights, the batches and training")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
@@ -129,6 +130,12 @@ def main(argv: list[str] | None = None, console=None) -> list[dict]:
         names = parse_strategies(args.strategies)
     except ValueError as err:
         raise SystemExit(str(err)) from None
+    if args.budget is not None and AUTO not in names:
+        raise SystemExit(f"hyper_parallel: --budget {args.budget} only applies to the "
+                         f"'{AUTO}' strategy, which --strategies does not list; add {AUTO} to "
+                         "--strategies or drop --budget")
+    if args.budget is None:
+        args.budget = DEFAULT_BUDGET
     if AUTO in names:  # checked before anything is built or profiled
         from hyper_parallel.core.activation_checkpoint import parse_budget
 
@@ -242,6 +249,10 @@ def main(argv: list[str] | None = None, console=None) -> list[dict]:
     return records
 
 
+#: --budget when 'auto' runs without one: 40 % of none's measured peak.
+DEFAULT_BUDGET = "0.4"
+
+
 def _plan_auto(budget: str, config, state, tokens, device, console):
     """Runs the planner on a fresh model over the first batch; prints its plan."""
     from hyper_parallel.core.activation_checkpoint import (InfeasibleBudgetError,
@@ -251,8 +262,9 @@ def _plan_auto(budget: str, config, state, tokens, device, console):
 
     model = fresh_model(config, state, device)
     tokens = tokens.to(device)
-    console.print(f"[bold]auto:[/bold] profiling one step per candidate strategy for the "
-                  f"planner (budget {budget})")
+    console.print(f"[bold]auto:[/bold] profiling for the planner (budget {budget}): one "
+                  "warm-up step of none, then three steps per candidate strategy in "
+                  "interleaved rounds")
     try:
         plan = plan_activation_memory(
             model, lambda: model(input_ids=tokens, labels=tokens).loss.backward(), budget)

@@ -158,6 +158,16 @@ def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit, match="hyper_parallel: budget 'lots'.*--budget"):
         main(["--strategies", "auto", "--budget", "lots"], console=Console(file=out))
     assert "profil" not in out.getvalue()  # refused before anything ran
+    # --budget without auto would be ignored: refused, before anything ran.
+    out = io.StringIO()
+    with pytest.raises(SystemExit, match="hyper_parallel: --budget 0.3 only applies to the "
+                                         "'auto' strategy.*add auto to --strategies"):
+        main(["--strategies", "none,swap", "--budget", "0.3"], console=Console(file=out))
+    assert out.getvalue() == ""
+    # A string budget with a fraction of a byte is refused like the number (not 1 byte).
+    with pytest.raises(SystemExit, match="hyper_parallel: budget '1.5'.*whole number of "
+                                         "bytes.*--budget"):
+        main(["--strategies", "auto", "--budget", "1.5"], console=Console(file=out))
 
 
 def test_module_entry_point_help():
@@ -224,6 +234,9 @@ def test_auto_strategy_prints_plan_and_meets_budget():
     records, text = _run(args)
     recs = {r["strategy"]: r for r in records}
     assert "predicted peak" in text and "model.layers.2" in text
+    # The profiling line says what profiling does (three interleaved steps per candidate).
+    assert "three steps per candidate strategy in interleaved rounds" in text
+    assert "one step per candidate" not in text
     assert recs["auto"]["peak_saved_bytes"] <= 0.5 * recs["none"]["peak_saved_bytes"]
     with pytest.raises(SystemExit, match="hyper_parallel: no plan"):
         _run(args[:-1] + ["1KiB"])

@@ -148,6 +148,8 @@ class _Applied:
     use_cache: list[Any]              # configs whose use_cache was turned off
     report: ActivationMemoryReport
     options: dict                     # policy_fn, swap_inputs, group_swap of the call
+    engine: tuple[int | None, int | None] = (None, None)  # (prefetch depth, offload
+    # window) in place before the plan set them; None: the plan left that setting alone
 
 
 _STATE = "_hp_activation_memory"
@@ -173,6 +175,7 @@ def _plan_strategies(plan, slots: list[LayerSlot]) -> list[str]:
     if isinstance(plan, Mapping):
         names = {s.name: i for i, s in enumerate(slots)}
         out = ["none"] * n
+        owner: dict[int, Any] = {}  # layer index -> the key that named it
         for key, value in plan.items():
             if isinstance(key, bool) or not isinstance(key, (int, str)):
                 raise TypeError(f"hyper_parallel: plan keys are layer indices or names; got "
@@ -189,6 +192,12 @@ def _plan_strategies(plan, slots: list[LayerSlot]) -> list[str]:
                         f"{n} layers ({slots[0].name} ... {slots[-1].name}); keys are indices "
                         "or names as find_layers(model) gives them")
                 index = names[key]
+            if index in owner:
+                raise ValueError(
+                    f"hyper_parallel: plan keys {owner[index]!r} and {key!r} both name layer "
+                    f"{index} ({slots[index].name}); give each layer one key (negative indices "
+                    "count from the end, names are as find_layers(model) gives them)")
+            owner[index] = key
             out[index] = _check_name(value, f"plan[{key!r}]")
         return out
     if isinstance(plan, Sequence):
@@ -307,6 +316,8 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
               for), ``SwapManager().set_prefetch_depth`` is set to it; if it has an int
               ``offload_window`` (an :class:`ActivationPlan`: 0, the schedule its cost
               model describes), the engine's offload window is set to it.
+              :func:`remove_activation_memory` (or applying again) puts back the depth
+              and window that were in place before.
         layers: which modules are the layers, in forward order: ``None`` (default:
             :func:`find_layers`), a list of fully qualified names or of modules (wrapped
             or not), or a predicate ``predicate(name, module) -> bool`` (matches in
@@ -327,7 +338,8 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     Raises:
         ValueError: for an unknown strategy, a plan that does not fit the layers, a layer
             already wrapped by hand, a policy that no layer of the plan uses, no layers
-            found (pass ``layers=``), or a ``transformers`` model with its own gradient
+            found (pass ``layers=``), two dict keys naming one layer (e.g. ``-1`` and
+            ``2`` of 3 layers), or a ``transformers`` model with its own gradient
             checkpointing on (call ``model.gradient_checkpointing_disable()`` first).
         TypeError: for a plan, ``layers`` or ``policy_fn`` of the wrong kind or call
             shape.
@@ -369,13 +381,8 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     if any(s != "none" for s in strategies) and _is_transformers_model(model):
         _refuse_hf_checkpointing(model)
 
-    remove_activation_memory(model)
-    if depth is not None:
-        SwapManager().set_prefetch_depth(depth)  # the depth the plan was solved for
-    if window is not None:
-        from ..._extension import _C  # noqa: PLC0415
-
-        _C.set_offload_window(window)  # the schedule the plan's cost model describes
+    remove_activation_memory(model)  # also gives back the previous plan's engine settings
+    engine = _set_engine(depth, window)
     originals = [s.layer for s in slots]
     done: list[int] = []
     chain: list[nn.Module] = []
@@ -406,6 +413,7 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
                     "on."))
     except BaseException:
         _undo(slots, originals, chain, configs)
+        _restore_engine(engine)
         raise
     wrappers = {i: slots[i].current for i in done}
     report = ActivationMemoryReport(
@@ -414,8 +422,33 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
         chained=bool(chain), use_cache_disabled=bool(configs))
     unwrapped(model).__dict__[_STATE] = _Applied(
         slots, originals, chain, configs, report,
-        {"policy_fn": policy_fn, "swap_inputs": swap_inputs, "group_swap": group_swap})
+        {"policy_fn": policy_fn, "swap_inputs": swap_inputs, "group_swap": group_swap}, engine)
     return report
+
+
+def _set_engine(depth: int | None, window: int | None) -> tuple[int | None, int | None]:
+    """Sets the plan's prefetch depth / offload window; returns the settings they replace
+    (``None`` for one left alone), which :func:`remove_activation_memory` puts back."""
+    from ..._extension import _C  # noqa: PLC0415
+
+    before_depth = before_window = None
+    if depth is not None:
+        before_depth = SwapManager().get_prefetch_depth()
+        SwapManager().set_prefetch_depth(depth)  # the depth the plan was solved for
+    if window is not None:
+        before_window = int(_C.offload_window())
+        _C.set_offload_window(window)  # the schedule the plan's cost model describes
+    return before_depth, before_window
+
+
+def _restore_engine(engine: tuple[int | None, int | None]) -> None:
+    from ..._extension import _C  # noqa: PLC0415
+
+    depth, window = engine
+    if depth is not None:
+        SwapManager().set_prefetch_depth(depth)
+    if window is not None:
+        _C.set_offload_window(window)
 
 
 def _wrap(layer: nn.Module, strategy: str, op_policy, tensor_policy, swap_inputs: bool,
@@ -454,7 +487,9 @@ def _undo(slots: list[LayerSlot], originals: list[nn.Module], chain: list[nn.Mod
 def remove_activation_memory(model: nn.Module) -> bool:
     """Undoes :func:`apply_activation_memory` on ``model``: puts the original modules
     back in their places, unregisters the prefetch chain (the layers and every module
-    inside them leave the swap schedule) and restores ``config.use_cache``.
+    inside them leave the swap schedule), restores ``config.use_cache`` and, where the
+    applied plan set them, the prefetch depth and offload window that were in place
+    before it (so a later plain apply runs with those).
 
     Returns:
         ``True`` when something was removed, ``False`` when ``model`` had no plan applied.
@@ -463,6 +498,7 @@ def remove_activation_memory(model: nn.Module) -> bool:
     if state is None:
         return False
     _undo(state.slots, state.originals, state.chained, state.use_cache)
+    _restore_engine(state.engine)
     return True
 
 

@@ -8,6 +8,7 @@ exact dynamic program) and returns an :class:`ActivationPlan`, which
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -131,23 +132,93 @@ class ActivationPlan:
     def from_json(cls, text: str) -> ActivationPlan:
         """The plan :meth:`to_json` wrote.
 
+        Every field is checked at load: strategies a dict of layer name -> per-layer
+        strategy name; byte counts, ``prefetch_depth`` and ``offload_window`` ints >= 0;
+        seconds finite and >= 0 (a row's ``added_seconds`` finite, of either sign).
+
         Raises:
-            ValueError: when ``text`` is not such a plan, or names an unknown strategy.
+            ValueError: when ``text`` is not such a plan (the message names the bad
+                field), or names an unknown strategy.
         """
         try:
             d = json.loads(text)
-            d["rows"] = [PlanRow(**r) for r in d.get("rows", [])]
-            plan = cls(**d)
-        except (TypeError, KeyError, json.JSONDecodeError) as err:
-            raise ValueError(f"hyper_parallel: not an ActivationPlan JSON ({err})") from None
-        bad = {s for s in plan.strategies.values() if s not in STRATEGIES or s == "mixed"}
+        except (TypeError, json.JSONDecodeError) as err:
+            raise ValueError(f"hyper_parallel: not an ActivationPlan JSON ({err}); pass the "
+                             "text ActivationPlan.to_json() wrote") from None
+        if not isinstance(d, dict):
+            _bad_json(f"the top level is {type(d).__name__}, not an object")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING and n not in d]
+        unknown = sorted(set(d) - set(fields))
+        if missing or unknown:
+            _bad_json(", ".join(([f"missing fields {missing}"] if missing else [])
+                                + ([f"unknown fields {unknown}"] if unknown else [])))
+        strategies = d["strategies"]
+        if not isinstance(strategies, dict):
+            _bad_json(f"field 'strategies' is {type(strategies).__name__}, not an object "
+                      "{layer name: strategy}")
+        bad = sorted({repr(v) for v in strategies.values()
+                      if not isinstance(v, str) or v not in STRATEGIES or v == "mixed"})
         if bad:
-            raise ValueError(f"hyper_parallel: the plan names unknown strategies {sorted(bad)}")
-        if isinstance(plan.prefetch_depth, bool) or not isinstance(plan.prefetch_depth, int) \
-                or plan.prefetch_depth < 0:
-            raise ValueError(f"hyper_parallel: the plan's prefetch_depth must be an int >= 0, "
-                             f"got {plan.prefetch_depth!r}")
-        return plan
+            raise ValueError(f"hyper_parallel: not an ActivationPlan JSON: field 'strategies' "
+                             f"names unknown strategies [{', '.join(bad)}]; choose from "
+                             f"{', '.join(n for n in STRATEGIES if n != 'mixed')}")
+        for name in ("budget_bytes", "predicted_peak_bytes", "none_peak_bytes",
+                     "predicted_offload_bytes", "prefetch_depth", "offload_window"):
+            if name in d:
+                _check_int(d[name], name)
+        if d.get("host_budget_bytes") is not None:
+            _check_int(d["host_budget_bytes"], "host_budget_bytes")
+        for name in ("predicted_step_seconds", "none_step_seconds", "predicted_stall_seconds"):
+            if name in d:
+                _check_float(d[name], name)
+        if d.get("lower_bound_seconds") is not None:
+            _check_float(d["lower_bound_seconds"], "lower_bound_seconds")
+        if "exact" in d and not isinstance(d["exact"], bool):
+            _bad_json(f"field 'exact' is {d['exact']!r}, not true or false")
+        rows = d.get("rows", [])
+        if not isinstance(rows, list):
+            _bad_json(f"field 'rows' is {type(rows).__name__}, not a list")
+        d = dict(d, rows=[_row(r, i) for i, r in enumerate(rows)])
+        return cls(**d)
+
+
+def _bad_json(what: str):
+    raise ValueError(f"hyper_parallel: not an ActivationPlan JSON: {what}; pass the text "
+                     "ActivationPlan.to_json() wrote")
+
+
+def _check_int(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_BYTES:
+        _bad_json(f"field {name!r} is {value!r}, not an int >= 0")
+
+
+def _check_float(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        _bad_json(f"field {name!r} is {value!r}, not a finite number of seconds >= 0")
+
+
+def _row(r, i: int) -> PlanRow:
+    what = f"rows[{i}]"
+    if not isinstance(r, dict):
+        _bad_json(f"field {what!r} is {type(r).__name__}, not an object")
+    names = [f.name for f in dataclasses.fields(PlanRow)]
+    if sorted(r) != sorted(names):
+        _bad_json(f"field {what!r} has fields {sorted(r)}, expected {sorted(names)}")
+    for name in ("name", "strategy", "why"):
+        if not isinstance(r[name], str):
+            _bad_json(f"field '{what}.{name}' is {r[name]!r}, not a string")
+    if r["strategy"] not in STRATEGIES or r["strategy"] == "mixed":
+        _bad_json(f"field '{what}.strategy' is {r['strategy']!r}, not a per-layer strategy")
+    for name in ("saved_bytes", "offloaded_bytes", "recomputed_bytes"):
+        _check_int(r[name], f"{what}.{name}")
+    # added_seconds is a difference over "none": it may be negative, but finite.
+    a = r["added_seconds"]
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
+        _bad_json(f"field '{what}.added_seconds' is {a!r}, not a finite number of seconds")
+    return PlanRow(**r)
 
 
 class InfeasibleBudgetError(ValueError):
@@ -279,7 +350,8 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
     Args:
         profile: what :func:`profile_activation_memory` measured.
         budget_bytes: the largest peak of saved-activation bytes on the device (int).
-        candidates: the strategies to choose from (profiled ones; default: all of them).
+        candidates: the strategies to choose from (profiled ones; default: all of them);
+            an empty list is refused.
         prefetch_depth: the engine's prefetch depth to plan for (default: the current
             ``SwapManager().get_prefetch_depth()``); the plan records it.
         host_budget_bytes: the most bytes the plan's offloads may hold on the host (int;
@@ -300,6 +372,7 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
         raise ValueError(f"hyper_parallel: host_budget_bytes must be None or an int number of "
                          f"bytes >= 0, got {host_budget_bytes!r}")
     depth = _depth(prefetch_depth)
+    candidates = _nonempty(candidates)
     names = check_candidates(candidates) if candidates is not None else profile.strategies
     unprofiled = [c for c in names if c not in profile.strategies]
     if unprofiled:
@@ -331,9 +404,34 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
         f"{_fmt_bytes(plan.predicted_peak_bytes)} ({plan.predicted_peak_bytes} bytes) with "
         f"{choice} (error.plan). Raise the budget"
         + (", raise host_budget_bytes" if host_budget_bytes is not None else "")
-        + ", allow more candidates (e.g. checkpoint_swap), lower the prefetch depth, or "
-        "shrink the batch.",
+        + _more_candidates(names) + ", lower the prefetch depth, or shrink the batch.",
         int(budget_bytes), plan.predicted_peak_bytes, plan, host_budget_bytes)
+
+
+#: Per-layer strategies from the least device memory to the most (what to suggest).
+_SUGGEST = ("checkpoint_swap", "checkpoint", "selective_swap", "swap", "selective")
+
+
+def _more_candidates(names: Sequence[str]) -> str:
+    """The infeasible error's advice on candidates: only ones not already given."""
+    more = [c for c in _SUGGEST if c not in names]
+    return f", allow more candidates (e.g. {', '.join(more[:2])})" if more else ""
+
+
+def _nonempty(candidates):
+    """``candidates`` as a list (``None`` stays ``None``); refuses an empty one."""
+    if candidates is None or isinstance(candidates, str):
+        return candidates
+    try:
+        candidates = list(candidates)
+    except TypeError:
+        raise TypeError(f"hyper_parallel: candidates must be a list of strategy names, got "
+                        f"{type(candidates).__name__}") from None
+    if not candidates:
+        raise ValueError("hyper_parallel: candidates is empty, so there is nothing to choose "
+                         "from but 'none'; pass strategies such as ['checkpoint', 'swap'], or "
+                         "None for all of them")
+    return candidates
 
 
 def _counts(plan: ActivationPlan) -> dict[str, int]:
@@ -351,8 +449,9 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 def parse_budget(text: str | int | float, none_peak_bytes: int | None = None) -> int:
     """Bytes from ``"300MiB"``, ``"2GB"``, ``"123456"``, ``"1.5e9"`` or a fraction of
     "none"'s peak (``"0.4"`` or ``0.4``: a number in (0, 1] written with a point or an
-    exponent, which needs ``none_peak_bytes``). A float above 1 is bytes and must be a
-    whole number.
+    exponent, which needs ``none_peak_bytes``). Any other number without a unit (or with
+    ``B``), string or float alike, is bytes and must be a whole number (``"1.5"`` and
+    ``1.5`` are both refused; ``"1.5MiB"`` is 1572864 bytes).
 
     Raises:
         ValueError: for anything else: not a number or size, NaN or infinite, zero or
@@ -379,7 +478,7 @@ def parse_budget(text: str | int | float, none_peak_bytes: int | None = None) ->
             raise ValueError("hyper_parallel: a fractional budget needs none's measured peak")
         return max(1, int(value * none_peak_bytes))
     nbytes = value * _UNITS[unit]
-    if unit == "" and isinstance(text, float) and not value.is_integer():
+    if unit in ("", "b") and not value.is_integer():  # the same rule for str and float
         raise ValueError(f"hyper_parallel: budget {text!r} is neither a fraction of none's "
                          "peak (a number in (0, 1]) nor a whole number of bytes")
     if nbytes < 1 or nbytes > _MAX_BYTES:
@@ -419,7 +518,8 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
         layers: which modules are the layers (as for :func:`apply_activation_memory`).
         candidates: strategies to choose from (default: none, checkpoint, selective,
             swap, selective_swap, checkpoint_swap); "none" is always among them (it is
-            the baseline every figure is measured against).
+            the baseline every figure is measured against); an empty list is refused
+            before profiling.
         host_budget_bytes: the most bytes the plan's offloads may hold on the host at
             once (an int, a size string as :func:`parse_budget` reads it, or a
             :class:`PinnedMemoryPool`, whose ``max_host_bytes`` less 20 % for its block
@@ -445,6 +545,7 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
     parse_budget(budget_bytes, none_peak_bytes=1)
     host = _host_budget(host_budget_bytes)
     depth = _depth(prefetch_depth)
+    candidates = _nonempty(candidates)
     profile = profile_activation_memory(model, step_fn, layers=layers, candidates=candidates)
     budget = parse_budget(budget_bytes, profile.none_peak_bytes)
     import torch.distributed as dist

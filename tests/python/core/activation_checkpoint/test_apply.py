@@ -210,6 +210,10 @@ def test_policy_fn_without_a_taker_is_refused():
     ({0: "mixed"}, ValueError, "whole-model plan"),
     ({0.5: "swap"}, TypeError, "indices or names"),
     (3, TypeError, "plan must be"),
+    ({-1: "swap", 2: "checkpoint"}, ValueError, "keys -1 and 2 both name layer 2"),
+    ({"layers.0": "swap", 0: "checkpoint"}, ValueError,
+     "keys 'layers.0' and 0 both name layer 0"),
+    ({-3: "none", "layers.0": "swap"}, ValueError, "keys -3 and 'layers.0' both name layer 0"),
 ])
 def test_bad_plans_leave_the_model_untouched(plan, error, match):
     model = Stack(layers=3)
@@ -270,3 +274,46 @@ def test_single_block_type_list_under_sequential():
     report = apply_activation_memory(model, "checkpoint")
     assert [e.name for e in report] == ["0", "1", "2"]
     assert isinstance(model[1], CheckpointWrapper)
+
+
+def test_remove_restores_the_engine_settings_the_plan_replaced(monkeypatch):
+    @dataclass
+    class Plan:  # an ActivationPlan's engine fields
+        strategies: dict
+        prefetch_depth: int
+        offload_window: int
+
+    manager = SwapManager()
+    depth0, window0 = manager.get_prefetch_depth(), _C.offload_window()
+    assert (depth0, window0) != (3, 0)  # else the test could not fail
+    model = Stack(layers=3)
+    try:
+        apply_activation_memory(model, Plan({0: "swap"}, prefetch_depth=3, offload_window=0))
+        assert (manager.get_prefetch_depth(), _C.offload_window()) == (3, 0)
+        # Applying again replaces the plan: its settings go before the next are recorded.
+        apply_activation_memory(model, Plan({1: "swap"}, prefetch_depth=2, offload_window=5))
+        assert (manager.get_prefetch_depth(), _C.offload_window()) == (2, 5)
+        assert remove_activation_memory(model)
+        assert (manager.get_prefetch_depth(), _C.offload_window()) == (depth0, window0)
+        apply_activation_memory(model, "swap")  # a plain apply runs with those
+        assert (manager.get_prefetch_depth(), _C.offload_window()) == (depth0, window0)
+        # A plain apply leaves settings made meanwhile alone, and so does its removal.
+        manager.set_prefetch_depth(4)
+        apply_activation_memory(model, "checkpoint")
+        remove_activation_memory(model)
+        assert manager.get_prefetch_depth() == 4
+        manager.set_prefetch_depth(depth0)
+        # A failure half way gives the settings back too.
+        from hyper_parallel.core.activation_checkpoint import _apply
+
+        def boom(layer, **kwargs):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(_apply, "swap_wrapper", boom)
+        with pytest.raises(RuntimeError, match="boom"):
+            apply_activation_memory(model, Plan({0: "swap"}, prefetch_depth=3, offload_window=0))
+        assert (manager.get_prefetch_depth(), _C.offload_window()) == (depth0, window0)
+    finally:
+        remove_activation_memory(model)
+        manager.set_prefetch_depth(depth0)
+        _C.set_offload_window(window0)

@@ -22,7 +22,7 @@ from hyper_parallel.core.activation_checkpoint import (
     remove_activation_memory,
     saved_activation_memory,
 )
-from hyper_parallel.core.activation_checkpoint._planner import predict
+from hyper_parallel.core.activation_checkpoint._planner import plan_from_profile, predict
 
 from ._models import Stack, assert_bitwise, grads, twin
 
@@ -308,3 +308,93 @@ def test_exact_plan_carries_its_own_time_as_lower_bound(profiled):
     assert "proven within 1.25% of the optimum" in fallback.explain()
     fallback.lower_bound_seconds = None
     assert "heuristic search" in fallback.explain() and "proven" not in fallback.explain()
+
+
+def test_from_json_refuses_malformed_structures_naming_the_field(profiled):
+    _, _, prof = profiled
+    d = json.loads(prof.plan(int(0.5 * prof.none_peak_bytes)).to_json())
+    cases = [
+        (json.dumps({**d, "strategies": ["checkpoint"]}), "'strategies'"),
+        ("null", "top level"),
+        ("[1]", "top level"),
+        ('"plan"', "top level"),
+        (json.dumps({**d, "strategies": {"0": ["swap"]}}), "unknown strategies"),
+        (json.dumps({**d, "rows": {"a": 1}}), "'rows'"),
+        (json.dumps({**d, "rows": [1]}), "rows\\[0\\]"),
+        (json.dumps({**d, "rows": [{**d["rows"][0], "saved_bytes": -5}]}), "saved_bytes"),
+        (json.dumps({**d, "colour": "red"}), "unknown fields \\['colour'\\]"),
+        (json.dumps({k: v for k, v in d.items() if k != "budget_bytes"}), "budget_bytes"),
+    ]
+    for text, field in cases:
+        with pytest.raises(ValueError, match=f"hyper_parallel: not an ActivationPlan JSON.*"
+                                             f"{field}"):
+            ActivationPlan.from_json(text)
+
+
+def test_from_json_validates_every_field_type_and_range(profiled):
+    _, _, prof = profiled
+    d = json.loads(prof.plan(int(0.5 * prof.none_peak_bytes)).to_json())
+    bad = {"offload_window": [-1, 1.0, True, "0"], "budget_bytes": ["x", -1, 2.5, None],
+           "prefetch_depth": [-1, "1"], "predicted_peak_bytes": [-3],
+           "none_peak_bytes": [1.5], "predicted_offload_bytes": [None],
+           "host_budget_bytes": [-1, "1MiB"],
+           "predicted_step_seconds": [-1.0, "1", None], "none_step_seconds": [True],
+           "predicted_stall_seconds": [-0.5], "lower_bound_seconds": [-1.0, "x"],
+           "exact": [1, "yes"]}
+    for name, values in bad.items():
+        for value in values:
+            with pytest.raises(ValueError, match=f"hyper_parallel: not an ActivationPlan "
+                                                 f"JSON: field '{name}'"):
+                ActivationPlan.from_json(json.dumps({**d, name: value}))
+    # NaN / Infinity (json writes them) are not finite seconds.
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="field 'predicted_step_seconds'"):
+            ActivationPlan.from_json(json.dumps({**d, "predicted_step_seconds": value}))
+    # The good values of each kind still load.
+    ok = ActivationPlan.from_json(json.dumps({**d, "host_budget_bytes": 0, "offload_window": 2,
+                                              "lower_bound_seconds": None}))
+    assert ok.host_budget_bytes == 0 and ok.offload_window == 2
+
+
+def test_parse_budget_strings_follow_the_number_rules():
+    # A string and the number it spells give the same result, or the same error.
+    for text, number in (("1.5", 1.5), ("2.5e0", 2.5), ("1000.5", 1000.5)):
+        for value in (text, number):
+            with pytest.raises(ValueError, match="nor a whole number of bytes"):
+                parse_budget(value, 1000)
+    assert parse_budget("1.5e3", 1000) == parse_budget(1.5e3, 1000) == 1500
+    assert parse_budget("0.25", 1000) == parse_budget(0.25, 1000) == 250
+    assert parse_budget("1.0", 1000) == parse_budget(1.0, 1000) == 1000
+    assert parse_budget("1.5MiB") == 3 << 19
+    with pytest.raises(ValueError, match="nor a whole number of bytes"):
+        parse_budget("2.5B")
+
+
+def test_empty_candidates_are_refused_up_front(profiled):
+    _, _, prof = profiled
+    model, x = _setup(layers=2)
+    steps = []
+
+    def step():
+        steps.append(1)
+        model(x).sum().backward()
+
+    for empty in ([], (), iter([])):
+        with pytest.raises(ValueError, match="hyper_parallel: candidates is empty"):
+            plan_activation_memory(model, step, 0.5, candidates=empty)
+        with pytest.raises(ValueError, match="hyper_parallel: candidates is empty"):
+            prof.plan(10**9, candidates=empty)
+    assert steps == []
+
+
+def test_infeasible_error_suggests_only_candidates_not_given(profiled):
+    _, _, prof = profiled
+    with pytest.raises(InfeasibleBudgetError) as err:
+        plan_from_profile(prof, 1024)  # every profiled candidate is given
+    assert "allow more candidates" not in str(err.value)
+    with pytest.raises(InfeasibleBudgetError) as err:
+        plan_from_profile(prof, 1024, candidates=["checkpoint_swap", "swap"])
+    assert "allow more candidates (e.g. checkpoint, selective_swap)" in str(err.value)
+    with pytest.raises(InfeasibleBudgetError) as err:
+        plan_from_profile(prof, 1024, candidates=["none"])
+    assert "allow more candidates (e.g. checkpoint_swap, checkpoint)" in str(err.value)
