@@ -62,3 +62,11 @@ def assert_bitwise(a_list, b_list):
     assert len(a_list) == len(b_list)
     for a, b in zip(a_list, b_list):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+def run_reversed_accumulation(model: nn.Module, ref: nn.Module, x1, x2) -> None:
+    """Two forwards, then their backwards in reverse order, on ``model`` and on ``ref``."""
+    for m in (model, ref):
+        l1, l2 = m(x1), m(x2)
+        l2.backward()
+        l1.backward()

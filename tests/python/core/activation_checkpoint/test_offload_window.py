@@ -8,7 +8,7 @@ import torch
 from hyper_parallel._extension import _C
 from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
 
-from ._models import Stack, assert_bitwise, grads, twin
+from ._models import Stack, assert_bitwise, grads, run_reversed_accumulation, twin
 
 LAYERS = 6
 
@@ -128,12 +128,7 @@ def _two_forwards(model, ref, x1, x2, mark):
 
 def _reversed_accumulation(model, ref, x1, x2, mark):
     mark()
-    l1, l2 = model(x1), model(x2)
-    l2.backward()
-    l1.backward()
-    r1, r2 = ref(x1), ref(x2)
-    r2.backward()
-    r1.backward()
+    run_reversed_accumulation(model, ref, x1, x2)
 
 
 def _retain_graph(model, ref, x1, x2, mark):

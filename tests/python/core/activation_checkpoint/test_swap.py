@@ -17,7 +17,7 @@ from hyper_parallel.core.activation_checkpoint import (
     swap_wrapper,
 )
 
-from ._models import Stack, assert_bitwise, grads, twin
+from ._models import Stack, assert_bitwise, grads, run_reversed_accumulation, twin
 
 # Several tests swap a single unscheduled region on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:hyper_parallel. swap region:UserWarning")
@@ -306,12 +306,7 @@ def test_gradient_accumulation_order_reversed(cpu_swap, dev):
     ref = Stack(layers=3).to(dev)
     model = wrap_chain(twin(ref))
     x1, x2 = torch.randn(2, 4, 32, device=dev), torch.randn(2, 4, 32, device=dev)
-    l1, l2 = model(x1), model(x2)
-    l2.backward()
-    l1.backward()
-    r1, r2 = ref(x1), ref(x2)
-    r2.backward()
-    r1.backward()
+    run_reversed_accumulation(model, ref, x1, x2)
     assert_bitwise(grads(model), grads(ref))
 
 
