@@ -348,10 +348,11 @@ class _ModelState:
             if p._version != v:
                 raise RuntimeError(
                     "hyper_parallel: step_fn changed the model's parameters in place (an "
-                    "optimizer.step() or a weight update in the step?). plan_activation_memory "
-                    "runs step_fn several times to profile it and must leave the weights as "
-                    "they are: pass a step that only runs the forward and backward, e.g. "
-                    "lambda: model(**batch).loss.backward(), and step the optimizer outside.")
+                    "optimizer.step() or a weight update in the step?); that update is not "
+                    "undone (no copy of the weights is kept). plan_activation_memory runs "
+                    "step_fn several times to profile it and must leave the weights as they "
+                    "are: pass a step that only runs the forward and backward, e.g. lambda: "
+                    "model(**batch).loss.backward(), and step the optimizer outside.")
 
     def restore(self) -> None:
         with torch.no_grad():
