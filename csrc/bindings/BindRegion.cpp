@@ -143,7 +143,7 @@ bool under_checkpoint_frame() {
 // nn.Module whose parameters and buffers are never swapped (None: none); `pool`: the
 // HostPool of this invocation's host blocks (None: the engine's; ignored when joined);
 // `push` with `auto_push`: push only when grad mode is on and no torch checkpoint frame's
-// hooks are innermost (what _region.Region decides in Python).
+// hooks are innermost (what every Python region asks for: _region.Region, run_region).
 std::shared_ptr<RegionToken> region_enter(int64_t layer, const std::string& name, bool manual,
                                           bool group_swap, const py::object& exclude,
                                           const py::object& pack_mode, const py::object& policy_fn,
@@ -321,6 +321,8 @@ void bind_region(py::module_& m) {
         "`outputs`, attaches the backward start to their nodes. Returns bit flags: 1 the "
         "region was unscheduled and held records, 2 its group has skipped tensors or ran "
         "against the chain (for the diagnostics), 4 the backward start was attached.");
+  m.def("under_checkpoint_frame", &under_checkpoint_frame,
+        "True when this thread's innermost saved-tensor hooks are torch.utils.checkpoint's.");
   m.def("pop_stale_hooks", &pop_stale_hooks,
         "Pops this thread's saved-tensor hooks of regions that were left without their exit.");
   m.def("attach_backward", &attach_backward, py::arg("group"), py::arg("outputs"),

@@ -44,9 +44,9 @@ def in_backward() -> bool:
 def in_checkpoint_forward() -> bool:
     """True inside the forward of a torch.utils.checkpoint region (ours are built on it):
     the innermost saved-tensor hooks are its frame's. Such a frame recomputes whatever is
-    saved inside it, so no region may hide its hook with ours."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
+    saved inside it, so no region may hide its hook with ours. (The same test region entry
+    makes in C++ before pushing its hook.)"""
+    return _C.under_checkpoint_frame()
 
 
 class Region:
@@ -59,7 +59,6 @@ class Region:
             (only storages registered with the group) or ``None`` (push no hooks).
         policy_fn: per-tensor swap policy (``SWAP_ALL`` only), or ``None``.
         group_swap: fuse small tensors of the group into few copies.
-        exclude: tensors whose storages are never swapped.
         manual: a group of the manual API (``SwapManager().group_context``).
         cpu_pool: the C++ host pool (``PinnedMemoryPool``'s) for this invocation's host
             blocks, or ``None`` for the engine's pool; ignored when the region joins an
@@ -76,16 +75,15 @@ class Region:
     """
 
     __slots__ = ("_layer_id", "_name", "_pack_mode", "_policy_fn", "_group_swap",
-                 "_exclude", "_manual", "_token", "_cpu_pool", "_quiet", "_state_module")
+                 "_manual", "_token", "_cpu_pool", "_quiet", "_state_module")
 
     def __init__(self, layer_id=-1, name="", pack_mode=None, policy_fn=None, group_swap=False,
-                 exclude=(), manual=False, cpu_pool=None, quiet=False, state_module=None):
+                 manual=False, cpu_pool=None, quiet=False, state_module=None):
         self._layer_id = layer_id
         self._name = name
         self._pack_mode = pack_mode
         self._policy_fn = policy_fn
         self._group_swap = group_swap
-        self._exclude = exclude
         self._manual = manual
         self._token = None
         self._cpu_pool = cpu_pool
@@ -104,7 +102,7 @@ class Region:
     # pops it (docs/design.md, "Regions and threads").
     def __enter__(self):
         self._token = _C.region_enter(self._layer_id, self._name, self._manual,
-                                      self._group_swap, self._exclude or None, self._pack_mode,
+                                      self._group_swap, None, self._pack_mode,
                                       self._policy_fn, True, self._cpu_pool, self._state_module,
                                       True)
         return self
@@ -127,16 +125,8 @@ class Region:
         The hook is a C++ pre-hook on each output node (no Python call, no handle per
         call); a Python one is used while a saved-activation meter samples region
         boundaries, or under compiled autograd (which takes Python hooks only)."""
-        token = self._token
-        if token is None or token.joined:
-            return
-        group = token.group
-        if self._layer_id < 0 and group.num_records == 0:
-            return
-        if not meter_active() and not _compiled_autograd_on():
-            _C.attach_backward(group, outputs)
-            return
-        _attach_python(group, outputs)
+        if self._token is not None:
+            _attach_backward(self._token, self._layer_id, outputs)
 
 
 def run_region(layer_id, name, fn, args, kwargs, policy_fn=None, group_swap=False,
@@ -155,10 +145,8 @@ def run_region(layer_id, name, fn, args, kwargs, policy_fn=None, group_swap=Fals
     flags = _C.region_exit(token, True, None if python_hooks else out)
     if flags & 3 or python_hooks:
         finish_flags(token, flags, name, False)
-        if python_hooks and not token.joined:
-            group = token.group
-            if layer_id >= 0 or group.num_records > 0:
-                _attach_python(group, out)
+        if python_hooks:
+            _attach_backward(token, layer_id, out)
     return out
 
 
@@ -186,7 +174,18 @@ def _warn_unscheduled(name: str) -> None:
     )
 
 
-def _attach_python(group, outputs) -> None:
+def _attach_backward(token, layer_id: int, outputs) -> None:
+    """Region.attach_backward for an exited region's ``token``: nothing for a joined region
+    or an unscheduled one without records; a C++ pre-hook, or a Python one while a meter
+    samples or under compiled autograd."""
+    if token.joined:
+        return
+    group = token.group
+    if layer_id < 0 and group.num_records == 0:
+        return
+    if not meter_active() and not _compiled_autograd_on():
+        _C.attach_backward(group, outputs)
+        return
     hook = _BackwardStart(group)
     seen = set()
     for t in tree_flatten(outputs)[0]:

@@ -100,10 +100,16 @@ def swap(function, *args, policy_fn=None, group_swap=False, cpu_pool=None, **kwa
     SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP on first use
     check_swap_policy(policy_fn)
     pool = native_pool(cpu_pool)
+    return _run_swapped(function, function, args, kwargs, policy_fn, group_swap, pool)
+
+
+def _run_swapped(target, fn, args, kwargs, policy_fn, group_swap, pool):
+    """``fn(*args, **kwargs)`` in the swap region of ``target`` (its layer, name and state
+    module), or plainly in recompute and without grad."""
     if in_backward() or not torch.is_grad_enabled():
-        return function(*args, **kwargs)
-    node, name, state = resolve_layer(function)
-    return run_region(node.layer_id if node is not None else -1, name, function, args, kwargs,
+        return fn(*args, **kwargs)
+    node, name, state = resolve_layer(target)
+    return run_region(node.layer_id if node is not None else -1, name, fn, args, kwargs,
                       policy_fn, group_swap, pool, state)
 
 
@@ -116,11 +122,7 @@ def swap_call(call: LayerCall, args, kwargs, policy_fn, group_swap, pool):
         if backend is not None:
             return backend.swap(call, *args, policy_fn=policy_fn, group_swap=group_swap,
                                 **kwargs)
-    if in_backward() or not torch.is_grad_enabled():
-        return call.fn(*args, **kwargs)
-    node, name, state = resolve_layer(call)
-    return run_region(node.layer_id if node is not None else -1, name, call.fn, args, kwargs,
-                      policy_fn, group_swap, pool, state)
+    return _run_swapped(call, call.fn, args, kwargs, policy_fn, group_swap, pool)
 
 
 def swap_region(function, policy_fn=None, group_swap=False, cpu_pool=None) -> Region | None:
