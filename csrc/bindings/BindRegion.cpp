@@ -233,6 +233,36 @@ int region_exit(RegionToken& token, bool ok, const py::object& outputs) {
   return flags;
 }
 
+// `fn(*args, **kwargs)` in a SWAP_ALL region: region_enter, the call, region_exit with the
+// outputs, in one call from Python and with no Python object per region (the swap
+// wrappers' path, issue 17). `on_flags(token, flags, out, layer, name)` runs after a successful exit
+// only when the exit flags say something needs Python (flags 1 or 2) or when
+// `python_hooks` (a meter samples, compiled autograd: the backward start is then attached
+// by `on_flags` in Python, not here). An exception from `fn` aborts the region and
+// propagates unchanged.
+py::object run_region(int64_t layer, const std::string& name, const py::object& fn,
+                      const py::object& args, const py::object& kwargs,
+                      const py::object& policy_fn, bool group_swap, const py::object& pool,
+                      const py::object& state_module, bool python_hooks,
+                      const py::object& on_flags) {
+  // Leaked on purpose: no Python object may be destroyed after interpreter shutdown.
+  static const py::object* swap_all = new py::object(py::cast(PackMode::kSwapAll));
+  auto token = region_enter(layer, name, false, group_swap, py::none(), *swap_all, policy_fn,
+                            true, pool, state_module, true);
+  PyObject* raw = PyObject_Call(fn.ptr(), args.ptr(), kwargs.is_none() ? nullptr : kwargs.ptr());
+  if (raw == nullptr) {
+    py::error_already_set error;  // fetched: the exit below may call into Python
+    region_exit(*token, false, py::none());
+    throw error;
+  }
+  py::object out = py::reinterpret_steal<py::object>(raw);
+  const int flags = region_exit(*token, true, python_hooks ? py::none() : out);
+  if ((flags & (kExitUnscheduled | kExitDiagnose)) != 0 || python_hooks) {
+    on_flags(token, flags, out, layer, name);
+  }
+  return out;
+}
+
 // Pre-hook on a region's output nodes (C++, no Python call in backward): starts the
 // prefetch of the invocation once, then lets go of the group, so the group dies with its
 // last saved tensor rather than with the graph. One shared state per region: the first of
@@ -321,6 +351,12 @@ void bind_region(py::module_& m) {
         "`outputs`, attaches the backward start to their nodes. Returns bit flags: 1 the "
         "region was unscheduled and held records, 2 its group has skipped tensors or ran "
         "against the chain (for the diagnostics), 4 the backward start was attached.");
+  m.def("run_region", &run_region, py::arg("layer"), py::arg("name"), py::arg("fn"),
+        py::arg("args"), py::arg("kwargs"), py::arg("policy_fn"), py::arg("group_swap"),
+        py::arg("pool"), py::arg("state_module"), py::arg("python_hooks"), py::arg("on_flags"),
+        "fn(*args, **kwargs) in a SWAP_ALL region (region_enter, the call, region_exit with "
+        "the outputs) in one call; `on_flags(token, flags, out, layer, name)` runs after the exit when "
+        "flags & 3 or `python_hooks`. An exception from fn aborts the region and propagates.");
   m.def("under_checkpoint_frame", &under_checkpoint_frame,
         "True when this thread's innermost saved-tensor hooks are torch.utils.checkpoint's.");
   m.def("pop_stale_hooks", &pop_stale_hooks,

@@ -129,25 +129,14 @@ class Region:
             _attach_backward(self._token, self._layer_id, outputs)
 
 
-def run_region(layer_id, name, fn, args, kwargs, policy_fn=None, group_swap=False,
-               cpu_pool=None, state_module=None):
-    """``fn(*args, **kwargs)`` in a ``SWAP_ALL`` region, with the backward start attached to
-    its outputs: what ``with Region(...): out = fn(...)`` then ``attach_backward(out)`` does,
-    in two C++ calls and no Python object per call (the swap wrappers' path, issue 17)."""
-    token = _C.region_enter(layer_id, name, False, group_swap, None, SWAP_ALL, policy_fn, True,
-                            cpu_pool, state_module, True)
-    try:
-        out = fn(*args, **kwargs)
-    except BaseException:
-        _C.region_exit(token, False)
-        raise
-    python_hooks = meter_active() or _compiled_autograd_on()
-    flags = _C.region_exit(token, True, None if python_hooks else out)
-    if flags & 3 or python_hooks:
-        finish_flags(token, flags, name, False)
-        if python_hooks:
-            _attach_backward(token, layer_id, out)
-    return out
+def after_run_region(token, flags: int, out, layer_id: int, name: str) -> None:
+    """What ``_C.run_region`` (a swap wrapper's whole region in one C++ call, issue 17)
+    leaves to Python after a successful exit: the meter's sample and diagnostics (flags
+    & 3), and the Python backward-start hook when Python hooks are needed (the C++ exit
+    attached none: flag 4 unset)."""
+    finish_flags(token, flags, name, False)
+    if not flags & 4:
+        _attach_backward(token, layer_id, out)
 
 
 def finish_flags(token, flags: int, name: str, quiet: bool) -> None:

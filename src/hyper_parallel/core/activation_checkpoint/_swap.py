@@ -13,7 +13,8 @@ from . import _compile
 from ._backends import backend_for, loaded_frameworks
 from ._host_pool import native_pool
 from ._policy_signature import check_swap_policy
-from ._region import SWAP_ALL, Region, in_backward, in_checkpoint_forward, run_region
+from ._region import (SWAP_ALL, Region, _compiled_autograd_on, after_run_region, in_backward,
+                      in_checkpoint_forward, meter_active)
 from ._swap_manager import SwapManager, layer_node
 
 
@@ -109,8 +110,9 @@ def _run_swapped(target, fn, args, kwargs, policy_fn, group_swap, pool):
     if in_backward() or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     node, name, state = resolve_layer(target)
-    return run_region(node.layer_id if node is not None else -1, name, fn, args, kwargs,
-                      policy_fn, group_swap, pool, state)
+    return _C.run_region(node.layer_id if node is not None else -1, name, fn, args,
+                         kwargs or None, policy_fn, group_swap, pool, state,
+                         meter_active() or _compiled_autograd_on(), after_run_region)
 
 
 def swap_call(call: LayerCall, args, kwargs, policy_fn, group_swap, pool):
@@ -123,6 +125,20 @@ def swap_call(call: LayerCall, args, kwargs, policy_fn, group_swap, pool):
             return backend.swap(call, *args, policy_fn=policy_fn, group_swap=group_swap,
                                 **kwargs)
     return _run_swapped(call, call.fn, args, kwargs, policy_fn, group_swap, pool)
+
+
+def swap_module_call(wrapper, inner, args, kwargs, policy_fn, group_swap, pool):
+    """What ``swap_call(LayerCall(wrapper, inner, inner), ...)`` does for a module swap
+    wrapper whose caller already checked grad mode and recompute (SwapWrapper.forward):
+    the wrapper names the layer, ``inner``'s parameters and buffers are never swapped."""
+    if loaded_frameworks():
+        return swap_call(LayerCall(wrapper, inner, inner), args, kwargs, policy_fn, group_swap,
+                         pool)
+    node = layer_node(wrapper)
+    return _C.run_region(node.layer_id if node is not None else -1,
+                         node.name if node is not None else region_name(inner), inner, args,
+                         kwargs or None, policy_fn, group_swap, pool, inner,
+                         meter_active() or _compiled_autograd_on(), after_run_region)
 
 
 def swap_region(function, policy_fn=None, group_swap=False, cpu_pool=None) -> Region | None:

@@ -25,7 +25,7 @@ from . import _compile
 from ._backends import wrapper_dispatch
 from ._host_pool import native_pool
 from ._policy_signature import check_swap_policy
-from ._swap import LayerCall, in_backward, swap_call
+from ._swap import LayerCall, in_backward, swap_call, swap_module_call
 from ._swap_manager import SwapManager
 
 _PREFIX = "_checkpoint_wrapped_module"
@@ -284,9 +284,20 @@ class SwapWrapper(ActivationWrapper):
             return out
         if in_backward() or not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        return self._hp_call(swap_call, LayerCall(self, inner, inner), args, kwargs,
-                             self._hp_policy_fn, self._hp_group_swap,
-                             native_pool(self._hp_cpu_pool))
+        # _hp_call inlined (the per-layer hot path, issue 17)
+        pool = native_pool(self._hp_cpu_pool)
+        if self._hp_nests:
+            return swap_module_call(self, inner, args, kwargs, self._hp_policy_fn,
+                                    self._hp_group_swap, pool)
+        stack = _tls.__dict__.setdefault("running", [])
+        if stack and stack[-1] is not self:
+            _warn_nested(stack[-1], self)
+        stack.append(self)
+        try:
+            return swap_module_call(self, inner, args, kwargs, self._hp_policy_fn,
+                                    self._hp_group_swap, pool)
+        finally:
+            stack.pop()
 
 
 def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False, cpu_pool=None):
