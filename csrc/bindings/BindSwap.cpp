@@ -216,8 +216,27 @@ class PackHook {
   std::shared_ptr<RegionState> state_;
 };
 
+// The Python type of a bound class, looked up once (the unpack hook tests every saved
+// object against these; pybind's isinstance searches its type registry on every call).
+template <typename T>
+PyTypeObject* bound_type() {
+  static PyTypeObject* type = reinterpret_cast<PyTypeObject*>(py::type::of<T>().ptr());
+  return type;
+}
+
 py::object unpack_hook(const py::object& obj) {
-  if (py::isinstance<SavedPassThrough>(obj)) {
+  if (Py_TYPE(obj.ptr()) == bound_type<SavedHandle>()) {
+    // The common swapped case: no GIL release unless it has to wait (issue 17).
+    const auto& handle = obj.cast<const SavedHandle&>();
+    at::Tensor t = engine().try_unpack(handle);
+    if (!t.defined()) {
+      auto keep = obj.cast<std::shared_ptr<SavedHandle>>();
+      py::gil_scoped_release no_gil;  // waits for a copy
+      t = engine().unpack(*keep);
+    }
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t)));
+  }
+  if (Py_TYPE(obj.ptr()) == bound_type<SavedPassThrough>()) {
     const auto& p = obj.cast<const SavedPassThrough&>();
     const uint32_t now = p.version.current_version();
     if (now != p.saved_version) {
@@ -229,16 +248,7 @@ py::object unpack_hook(const py::object& obj) {
     }
     return p.tensor;
   }
-  if (py::isinstance<SavedHandle>(obj)) {
-    auto handle = obj.cast<std::shared_ptr<SavedHandle>>();
-    at::Tensor t;
-    {
-      py::gil_scoped_release no_gil;  // may wait for a copy
-      t = engine().unpack(*handle);
-    }
-    return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t)));
-  }
-  if (py::isinstance<DTensorHandle>(obj)) {
+  if (Py_TYPE(obj.ptr()) == bound_type<DTensorHandle>()) {
     auto handle = obj.cast<std::shared_ptr<DTensorHandle>>();
     HP_CHECK(handle->version.current_version() == handle->saved_version,
              "a DTensor saved for backward (placements ", std::string(py::str(

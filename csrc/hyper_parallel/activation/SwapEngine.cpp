@@ -522,6 +522,29 @@ at::Tensor SwapEngine::unpack(const SavedHandle& handle) {
   return alias;
 }
 
+at::Tensor SwapEngine::try_unpack(const SavedHandle& handle) {
+  const at::Tensor& alias = handle.alias();
+  if (alias._version() != handle.saved_version()) return unpack(handle);  // raises
+  const auto& record = handle.record();
+  std::lock_guard<std::mutex> lock(mu_);
+  const Residency state = record->state();
+  const bool done = state == Residency::kDevice ||
+                    (state == Residency::kReloading && record->h2d_done->query());
+  if (!done) return {};
+  // What unpack() does on these paths (the reload's wait, had it run, returns at once).
+  record->in_use_by_backward = true;
+  if (const auto& g = handle.group()) g->backward_started = true;
+  if (state == Residency::kReloading) {
+    record->transition(Residency::kDevice);
+    record->host.reset();
+    record->d2h_done.reset();
+    record->h2d_done.reset();
+    record->bucket.reset();
+  }
+  check_resident(*record, alias);
+  return alias;
+}
+
 void SwapEngine::check_resident(const StorageRecord& record, const at::Tensor& alias) const {
   // SPEC 4.2 at its source: autograd is never handed a released or half-refilled storage.
   const c10::StorageImpl* impl = alias.storage().unsafeGetStorageImpl();

@@ -149,6 +149,10 @@ class SwapEngine {
   // Makes the handle's storage resident and returns its tensor. Throws c10::Error when the
   // tensor was modified in place after it was saved or registered (SPEC 4.7).
   at::Tensor unpack(const SavedHandle& handle);
+  // unpack() when it needs no wait: the storage is on device or its reload completed.
+  // Otherwise returns an undefined tensor and changes nothing, so the caller may release
+  // the GIL before the blocking unpack() (the unpack hook's fast path, issue 17).
+  at::Tensor try_unpack(const SavedHandle& handle);
 
   // --- manual group control (SPEC 2: launch/wait offload/load) -------------------------
   void launch_offload(const std::shared_ptr<SwapGroup>& group);

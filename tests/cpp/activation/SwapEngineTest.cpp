@@ -457,6 +457,51 @@ TEST(SwapEngineTest, BackwardBeginPrefetchesThePredecessor) {
   EXPECT_EQ(s.reload_count, 1);
 }
 
+TEST(SwapEngineTest, TryUnpackHandsOutOnlyWhatNeedsNoWait) {
+  // The unpack hook's fast path (issue 17): an offloaded storage is refused without any
+  // change (no reload started, not marked as read by a backward); once its prefetch
+  // completed it is handed out with unpack()'s bookkeeping.
+  SwapEngine engine(cpu_options(/*delay_ns_per_byte=*/2.0));
+  auto layers = make_chain(engine, 2);
+  auto g0 = begin(engine, layers[0]);
+  at::Tensor a = at::randn({128, 64});
+  const at::Tensor ea = a.clone();
+  auto ha = pack(engine, g0, a);
+  a.reset();
+  engine.end_forward(g0);
+  auto g1 = begin(engine, layers[1]);
+  at::Tensor b = at::randn({64});
+  const at::Tensor eb = b.clone();
+  auto hb = pack(engine, g1, b);
+  b.reset();
+  engine.end_forward(g1);
+  engine.synchronize();
+  ASSERT_TRUE(off_device(*ha));
+  const Residency before = ha->record()->state();
+
+  EXPECT_FALSE(engine.try_unpack(*ha).defined());
+  EXPECT_EQ(ha->record()->state(), before);
+  EXPECT_EQ(storage_nbytes(*ha), 0u);
+  EXPECT_FALSE(ha->record()->in_use_by_backward);
+  EXPECT_EQ(engine.stats().reload_count, 0);
+
+  at::Tensor out_b = engine.try_unpack(*hb);  // the last layer stayed on device
+  ASSERT_TRUE(out_b.defined());
+  EXPECT_TRUE(same(out_b, eb));
+  EXPECT_TRUE(hb->record()->in_use_by_backward);
+
+  engine.backward_begin(g1);  // prefetches layer 0
+  engine.synchronize();
+  at::Tensor out_a = engine.try_unpack(*ha);
+  ASSERT_TRUE(out_a.defined());
+  EXPECT_TRUE(same(out_a, ea));
+  EXPECT_EQ(ha->record()->state(), Residency::kDevice);
+  EXPECT_TRUE(ha->record()->in_use_by_backward);
+  const auto s = engine.stats();
+  EXPECT_EQ(s.on_demand_reloads, 0);
+  EXPECT_EQ(s.reload_count, 1);
+}
+
 TEST(SwapEngineTest, PrefetchDepthControlsHowFarAheadReloadsStart) {
   for (int depth : {0, 1, 2}) {
     SwapEngine engine(cpu_options());

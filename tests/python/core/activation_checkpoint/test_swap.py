@@ -666,3 +666,33 @@ def test_registered_plain_module_inside_checkpoint(cpu_swap, dev):
         loss_ref.backward()
     assert_bitwise(grads(model), grads(ref))
     assert recompute.get_total_flops() > plain.get_total_flops()  # layer 0 was recomputed
+
+
+def test_exception_from_a_wrapped_layer_propagates_unchanged(cpu_swap, dev):
+    # The wrappers run their region in one C++ call (_C.run_region): the layer's own
+    # exception object (not a copy or a wrapped error) reaches the caller, and the next
+    # step runs normally with bitwise gradients.
+    class LayerFailure(Exception):
+        pass
+
+    failure = LayerFailure("layer 1 failed")
+    fail = {"on": True}
+    w = torch.randn(8, 8, device=dev, requires_grad=True)
+
+    def layer(x):
+        y = torch.tanh(x @ w)
+        if fail["on"]:
+            raise failure
+        return y
+
+    wrapped = [swap_wrapper(layer), swap_wrapper(layer)]
+    SwapManager().set_forward_prefetch_layer(wrapped[0], wrapped[1])
+    x = torch.randn(4, 8, device=dev)
+    with pytest.raises(LayerFailure) as info:
+        wrapped[1](wrapped[0](x))
+    assert info.value is failure
+    assert _C.current_group() is None
+    fail["on"] = False
+    (g,) = torch.autograd.grad(wrapped[1](wrapped[0](x)).sum(), [w])
+    (gr,) = torch.autograd.grad(layer(layer(x)).sum(), [w])
+    assert torch.equal(g, gr)
