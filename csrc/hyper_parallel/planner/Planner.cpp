@@ -112,6 +112,64 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
   labels.resize(out);
 }
 
+
+// The fallback's pruning (a heuristic): labels are binned by (phase, kept bytes / bucket)
+// and each bin keeps at most `per_bin` labels that no other label of the bin dominates
+// (the dominance of prune(), the last layer's offload bytes `off_of` included), the
+// fastest when more survive. Bytes stay exact, so every plan found meets its budgets.
+// Sort-free: one pass over the labels, O(labels x per_bin).
+void prune_capped(std::vector<Label>& labels, double linear, int64_t bucket, int64_t bins,
+                  int per_bin, const std::vector<int64_t>* code_bytes,
+                  std::vector<int32_t>& slots, std::vector<int32_t>& counts) {
+  const size_t cells = static_cast<size_t>(4 * bins);
+  slots.assign(cells * static_cast<size_t>(per_bin), -1);
+  counts.assign(cells, 0);
+  auto off_of = [&](const Label& l) -> int64_t {
+    return code_bytes == nullptr ? 0 : (*code_bytes)[l.code];
+  };
+  auto dominates = [&](const Label& a, const Label& b) {
+    if (a.kept > b.kept || a.host > b.host || off_of(a) > off_of(b)) return false;
+    if (code_bytes == nullptr && a.code != b.code) return false;
+    const double extra = a.backlog >= linear && b.backlog >= linear
+                             ? a.backlog - b.backlog
+                             : std::max(0.0, a.backlog - b.backlog);
+    return a.time + extra <= b.time;
+  };
+  for (size_t i = 0; i < labels.size(); ++i) {
+    const Label& l = labels[i];
+    const int64_t bin = std::min<int64_t>(l.kept / bucket, bins - 1);
+    const size_t cell = static_cast<size_t>(l.phase) * static_cast<size_t>(bins) +
+                        static_cast<size_t>(bin);
+    int32_t* slot = &slots[cell * static_cast<size_t>(per_bin)];
+    int32_t& count = counts[cell];
+    bool dominated = false;
+    for (int j = 0; j < count && !dominated; ++j) dominated = dominates(labels[slot[j]], l);
+    if (dominated) continue;
+    int kept_entries = 0;
+    for (int j = 0; j < count; ++j) {
+      if (!dominates(l, labels[slot[j]])) slot[kept_entries++] = slot[j];
+    }
+    count = kept_entries;
+    if (count < per_bin) {
+      slot[count++] = static_cast<int32_t>(i);
+      continue;
+    }
+    int slowest = 0;
+    for (int j = 1; j < count; ++j) {
+      if (labels[slot[j]].time > labels[slot[slowest]].time) slowest = j;
+    }
+    if (labels[slot[slowest]].time > l.time) slot[slowest] = static_cast<int32_t>(i);
+  }
+  std::vector<Label> out;
+  out.reserve(labels.size());
+  for (size_t cell = 0; cell < cells; ++cell) {
+    for (int j = 0; j < counts[cell]; ++j) {
+      out.push_back(labels[slots[cell * static_cast<size_t>(per_bin) + j]]);
+    }
+  }
+  labels.swap(out);
+}
+
 }  // namespace
 
 Planner::Planner(StepProfile profile, int64_t byte_quantum, double time_tolerance)
@@ -162,31 +220,149 @@ PlanResult Planner::solve(int64_t budget, const std::vector<uint64_t>& allowed,
   // The time found is the optimum (a lower bound of itself) only where the search is
   // exact: depth <= 1, no tolerance, no byte rounding.
   const bool bounded = depth_ <= 1 && tolerance_ == 0.0;
-  PlanResult r = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels);
+  // The exact search, given up once a front outgrows kMaxExactLabels, or
+  // kExactLabelsPerLayer x (layers decided): fronts that grow that fast are the
+  // saturated case, whose fronts reach 10^5-10^6 labels (Planner.h).
+  PlanResult r = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels, 0,
+                        false, 0, kExactLabelsPerLayer);
   if (!r.stats.overflowed) {
     r.stats.lower_bound = bounded && quantum_ == 1 && r.feasible
                               ? r.stats.objective
                               : std::numeric_limits<double>::quiet_NaN();
     return r;
   }
-  // The fronts outgrew the exact search (copies saturating the link over many layers):
-  // search again on a byte grid of 1/512 of the budget, keeping the 4 fastest labels
-  // per kept-bytes quantum (a heuristic), and bound its distance from the optimum by the
-  // relaxation on the same grid (bytes rounded down, no D2H backlog): exact for its own
-  // problem, whose optimum is no slower than the true one.
-  const int64_t q = std::max<int64_t>(quantum_, (budget - profile_.base_bytes) / 512);
-  PlanResult a = search(budget, host_budget, m, false, q, tolerance_, -1, 4);
+  // The fallback (a heuristic): exact bytes, labels binned by kept bytes (budget / bins),
+  // the fastest undominated few per bin and phase.
+  const int64_t bucket = std::max<int64_t>(1, (budget - profile_.base_bytes) / kFallbackBins);
+  PlanResult a = search(budget, host_budget, m, false, quantum_, tolerance_, -1, kFallbackPerBin,
+                        false, bucket);
   a.stats.labels_created += r.stats.labels_created;
   a.stats.labels_kept += r.stats.labels_kept;
   a.stats.exact = false;
   a.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
-  if (bounded && a.feasible) {
-    const PlanResult low = search(budget, host_budget, m, false, q, 0.0, -1, 0, true);
-    a.stats.labels_created += low.stats.labels_created;
-    a.stats.labels_kept += low.stats.labels_kept;
-    if (low.feasible) a.stats.lower_bound = low.stats.objective;
+  if (!bounded || !a.feasible) {
+    // No bound to judge the heuristic by: the exact search up to the full limit.
+    PlanResult e = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels);
+    if (!e.stats.overflowed) {
+      e.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
+      return e;
+    }
+    return a;
   }
+  // Its bound: the relaxation without D2H backlog (exact bytes; without a host budget by
+  // relaxed_bound(), with one on a byte grid rounded down).
+  double low = kInf;
+  if (host_budget < 0 && quantum_ == 1) {
+    low = relaxed_bound(budget, m);
+  } else {
+    const int64_t q = std::max<int64_t>(quantum_, (budget - profile_.base_bytes) / 512);
+    const PlanResult l = search(budget, host_budget, m, false, q, 0.0, -1, 0, true);
+    a.stats.labels_created += l.stats.labels_created;
+    a.stats.labels_kept += l.stats.labels_kept;
+    if (l.feasible) low = l.stats.objective;
+  }
+  const double got = a.stats.objective;
+  if (std::isfinite(low)) a.stats.lower_bound = std::min(low, got);
+  // The relaxation's optimum is the plan's: the plan is optimal (the bound proves it).
+  if (got <= low * (1.0 + 1e-12)) a.stats.exact = true;
   return a;
+}
+
+double Planner::relaxed_bound(int64_t budget, const std::vector<uint64_t>& allowed) const {
+  // Labels (kept, time, class of the last layer), one phase: without backlog the phases of
+  // search() price every layer alike. Kept in increasing kept bytes; a label is dropped
+  // when an earlier one (no more kept bytes) has no more offload bytes in its last layer
+  // and no more time (exact for the relaxation). Children of one option keep their
+  // parents' order, so a merge of the per-option lists keeps the order (no sort).
+  const StepProfile& p = profile_;
+  const size_t n = p.num_layers(), s = p.num_options();
+  const bool exposed = p.prefetch_depth == 0;
+  if (budget <= p.base_bytes) return kInf;
+  struct R {
+    int64_t kept;
+    double time;
+    int32_t cls;
+  };
+  std::vector<R> cur{R{0, 0.0, 0}}, next;
+  std::vector<std::vector<R>> lists(s);
+  std::vector<size_t> head(s);
+  std::vector<double> best;
+  std::vector<std::vector<int>> no_more;  // per class: the classes with no more bytes
+  constexpr size_t kNone = ~size_t{0};
+  std::vector<size_t> last_of;  // per class: its latest label in next
+  const int64_t bin_bytes = std::max<int64_t>(1, (budget - p.base_bytes) / kBoundBins);
+  for (size_t k = 0; k < n; ++k) {
+    const bool last = k + 1 == n;
+    for (auto& l : lists) l.clear();
+    for (size_t o = 0; o < s; ++o) {
+      if (!(allowed[k] >> o & 1)) continue;
+      const OptionCost c = p.effective(k, o);
+      const int64_t off = c.offload_bytes;
+      const double work = c.forward_seconds + c.backward_seconds +
+                          kTrafficSecondsPerByte * static_cast<double>(off) +
+                          (exposed ? p.h2d.seconds(off) : 0.0);
+      const int32_t cls = depth_ > 0 ? class_of_[k][o] : 0;
+      std::vector<R>& out = lists[o];
+      for (const R& b : cur) {
+        const int64_t prev_off = depth_ > 0 && k > 0 ? class_bytes_[k - 1][b.cls] : 0;
+        const int64_t held = p.base_bytes + b.kept + c.kept_bytes + off;
+        if (held > budget || held + prev_off > budget) continue;
+        if (last && p.base_bytes + b.kept + c.kept_bytes + p.tail_bytes > budget) continue;
+        double t = b.time + work;
+        if (!exposed && prev_off > 0) {
+          t += std::max(0.0, p.h2d.seconds(prev_off) - c.backward_seconds);
+        }
+        out.push_back(R{b.kept + c.kept_bytes, t, cls});
+      }
+    }
+    const std::vector<int64_t>& bytes = class_bytes_[k];
+    const size_t classes = depth_ > 0 ? bytes.size() : 1;
+    no_more.assign(classes, {});
+    for (size_t c = 0; c < classes; ++c) {
+      for (size_t d = 0; d < classes; ++d) {
+        if (depth_ == 0 || bytes[d] <= bytes[c]) no_more[c].push_back(static_cast<int>(d));
+      }
+    }
+    best.assign(classes, kInf);
+    last_of.assign(classes, kNone);
+    next.clear();
+    std::fill(head.begin(), head.end(), 0);
+    while (true) {
+      size_t pick = s;
+      for (size_t o = 0; o < s; ++o) {
+        if (head[o] < lists[o].size() &&
+            (pick == s || lists[o][head[o]].kept < lists[pick][head[pick]].kept)) {
+          pick = o;
+        }
+      }
+      if (pick == s) break;
+      const R l = lists[pick][head[pick]++];
+      bool dominated = false;
+      for (int d : no_more[static_cast<size_t>(l.cls)]) {
+        if (best[static_cast<size_t>(d)] <= l.time) {
+          dominated = true;
+          break;
+        }
+      }
+      if (dominated) continue;
+      best[static_cast<size_t>(l.cls)] = l.time;  // l.time < every survivor's of no more off
+      // Within one bin of kept bytes, the labels of a class merge into the first one (the
+      // least kept bytes) with the least time: a label no worse than each it replaces.
+      const int64_t bin = l.kept / bin_bytes;
+      size_t& at = last_of[static_cast<size_t>(l.cls)];
+      if (at != kNone && next[at].kept / bin_bytes == bin) {
+        next[at].time = l.time;
+        continue;
+      }
+      at = next.size();
+      next.push_back(l);
+    }
+    std::swap(cur, next);
+    if (cur.empty()) return kInf;
+  }
+  double t = kInf;
+  for (const R& l : cur) t = std::min(t, l.time);
+  return t + p.tail_seconds + p.outside_seconds;
 }
 
 PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_budget) const {
@@ -216,7 +392,8 @@ PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_
 PlanResult Planner::search(int64_t budget, int64_t host_budget,
                            const std::vector<uint64_t>& allowed, bool memory_only,
                            int64_t quantum, double tolerance, int64_t max_labels,
-                           int per_kept, bool relaxed) const {
+                           int per_kept, bool relaxed, int64_t bucket,
+                           int64_t labels_per_layer) const {
   const StepProfile& p = profile_;
   const size_t n = p.num_layers(), s = p.num_options();
   const int depth = depth_;
@@ -283,6 +460,7 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
   std::vector<std::vector<Back>> history(n);
   std::vector<Label> cur{Label{0, 0, 0.0, 0.0, 0, -1, -1, kNoOffload}}, next;
   std::vector<OptionCost> cost(s);
+  std::vector<int32_t> slots, counts;  // prune_capped's bins
   for (size_t k = 0; k < n; ++k) {
     for (size_t o = 0; o < s; ++o) cost[o] = p.effective(k, o);
     const bool last = k + 1 == n;
@@ -363,12 +541,21 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
       }
     }
     result.stats.labels_created += static_cast<int64_t>(next.size());
-    prune(next, memory_only ? 0.0 : eps, memory_only ? kInf : most[k + 1], per_kept,
-          depth == 1 ? &class_bytes_[k] : nullptr);
+    if (bucket > 0) {
+      prune_capped(next, most[k + 1], bucket, (budget - p.base_bytes) / bucket + 1, per_kept,
+                   depth == 1 ? &class_bytes_[k] : nullptr, slots, counts);
+    } else {
+      prune(next, memory_only ? 0.0 : eps, memory_only ? kInf : most[k + 1], per_kept,
+            depth == 1 ? &class_bytes_[k] : nullptr);
+    }
     result.stats.labels_kept += static_cast<int64_t>(next.size());
     result.stats.widest_layer = std::max<int64_t>(result.stats.widest_layer,
                                                   static_cast<int64_t>(next.size()));
-    if (max_labels >= 0 && static_cast<int64_t>(next.size()) > max_labels) {
+    const int64_t limit =
+        labels_per_layer > 0
+            ? std::min<int64_t>(max_labels, labels_per_layer * static_cast<int64_t>(k + 1))
+            : max_labels;
+    if (max_labels >= 0 && static_cast<int64_t>(next.size()) > limit) {
       result.stats.overflowed = true;
       return result;
     }

@@ -95,6 +95,14 @@ struct SearchStats {
 
 // Labels one layer of the exact search may keep before solve() falls back.
 inline constexpr int64_t kMaxExactLabels = 20000;
+// ... and once the front after layer k holds more than kExactLabelsPerLayer x (k + 1)
+// labels (fronts growing that fast are the saturated case; see solve()).
+inline constexpr int64_t kExactLabelsPerLayer = 150;
+// The fallback's bins of kept bytes (budget / kFallbackBins) and labels per bin and phase.
+inline constexpr int64_t kFallbackBins = 96;
+inline constexpr int kFallbackPerBin = 3;
+// The relaxation's bins of kept bytes (budget / kBoundBins), see relaxed_bound().
+inline constexpr int64_t kBoundBins = 512;
 
 struct PlanResult {
   bool feasible = false;
@@ -134,7 +142,11 @@ class Planner {
   PlanResult search(int64_t budget_bytes, int64_t host_budget_bytes,
                     const std::vector<uint64_t>& allowed, bool memory_only, int64_t quantum,
                     double tolerance, int64_t max_labels, int per_kept = 0,
-                    bool relaxed = false) const;
+                    bool relaxed = false, int64_t bucket = 0,
+                    int64_t labels_per_layer = 0) const;
+  // The optimum of the relaxation (depth <= 1, no host budget): exact bytes, no D2H
+  // backlog; +inf when no plan meets the budget.
+  double relaxed_bound(int64_t budget_bytes, const std::vector<uint64_t>& allowed) const;
   std::vector<uint64_t> masks(const std::vector<uint64_t>& allowed) const;
 
   StepProfile profile_;
