@@ -24,6 +24,7 @@ Writes a table (stdout), ``--json`` (default out/bench_planner.json) and ``--png
 planner line against hand-strategy points).
 
 Usage: PYTHONPATH=src python benchmarks/bench_planner.py [--layers 8] [--random 20] [--quick]
+       PYTHONPATH=src python benchmarks/bench_planner.py --solve-only   (the solver alone)
 """
 
 from __future__ import annotations
@@ -148,6 +149,63 @@ def solve_times(profile: ActivationProfile, sizes=(10, 50, 100, 200),
         out.append({"layers": n, "options": len(profile.strategies), "ms": best * 1e3,
                     "feasible": found is not None, "gap": gap, **stats})
     return out
+
+
+def synthetic_profile(n: int, seed: int, copy_ratio: float):
+    """A synthetic planner profile shaped like PlannerTest's: ``n`` layers of random sizes
+    (4 to 40 MiB) x 6 options (none, checkpoint, selective, swap, selective_swap,
+    checkpoint_swap); the link set so that an average layer's swap offload takes
+    ``copy_ratio`` x its forward (2.0: the saturated case)."""
+    rng = random.Random(seed)
+    mi = 1 << 20
+    p = _C.PlannerProfile()
+    p.options = list(UNIFORM)
+    p.base_bytes, p.tail_bytes, p.outside_seconds = 2 * mi, 16 * mi, 0.01
+    p.tail_seconds = 0.004 * rng.uniform(0.8, 1.2)
+    layers, per_byte = [], 0.0
+    for _ in range(n):
+        saved = rng.randint(4, 40) * mi
+        inputs = max(mi, (saved // 8) // mi * mi)
+        matmul = max(mi, (saved // 3) // mi * mi)
+        f = 0.01 * rng.uniform(0.8, 1.2)
+        b = 2 * f * rng.uniform(0.8, 1.2)
+        ck_b, sel_b = b + f * rng.uniform(0.8, 1.2), b + 0.4 * f * rng.uniform(0.8, 1.2)
+        C = _C.PlannerOptionCost
+        layers.append([C(saved, 0, f, b), C(inputs, 0, f, ck_b), C(inputs + matmul, 0, f, sel_b),
+                       C(inputs, saved - inputs, 1.05 * f, 1.02 * b),
+                       C(inputs, matmul, f, sel_b), C(0, inputs, f, ck_b)])
+        per_byte += copy_ratio * f / (saved - inputs)
+    p.layers = layers
+    p.set_links(1e-4, per_byte / n, 1e-4, per_byte / n)
+    p.prefetch_depth = 1
+    return p
+
+
+def solve_only(sizes=(10, 30, 100), ratios=(0.5, 2.0), fractions=(0.25, 0.5),
+               repeats: int = 7) -> list[dict]:
+    """The solver alone on synthetic profiles (no model, no torch work): median
+    milliseconds of ``repeats`` solves per (layers, copy ratio, budget fraction of the
+    all-"none" peak), with whether the plan is exact and its proven gap."""
+    rows = []
+    for n in sizes:
+        for ratio in ratios:
+            prof = synthetic_profile(n, 11, ratio)
+            none = _C.planner_evaluate(prof, [0] * n)["peak_bytes"]
+            planner = _C.Planner(prof)
+            for fraction in fractions:
+                ts, found = [], None
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    found = planner.solve(int(fraction * none))
+                    ts.append(time.perf_counter() - t0)
+                stats = dict(found[2]) if found else {}
+                gap = None
+                if found and math.isfinite(stats.get("lower_bound_seconds", float("nan"))):
+                    gap = found[1]["step_seconds"] / stats["lower_bound_seconds"] - 1
+                rows.append({"layers": n, "ratio": ratio, "fraction": fraction,
+                             "ms": statistics.median(ts) * 1e3, "gap": gap,
+                             "feasible": found is not None, **stats})
+    return rows
 
 
 def _solve_table(sizes: list[dict], title: str) -> str:
@@ -357,7 +415,21 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default="out/bench_planner.json")
     p.add_argument("--png", default="out/bench_planner.png")
+    p.add_argument("--solve-only", action="store_true",
+                   help="only the solver on synthetic profiles (10/30/100 layers, copies at "
+                        "0.5x and 2x a forward): median ms, exact, proven gap")
     args = p.parse_args(argv)
+    if args.solve_only:
+        print(f"load average before: {load_average()}")
+        rows = solve_only()
+        print(table(["layers", "copy / forward", "budget / none", "solve ms (median of 7)",
+                     "labels kept", "exact", "proven gap"],
+                    [[r["layers"], r["ratio"], r["fraction"], f"{r['ms']:.1f}",
+                      r.get("labels_kept", "-"), "yes" if r.get("exact") else "no",
+                      "-" if r["gap"] is None else f"{r['gap']:.2%}"] for r in rows],
+                    title="solver alone, synthetic profiles (6 options, 4-40 MiB layers)"))
+        print(f"load average after: {load_average()}")
+        return rows
     if args.quick:
         args.random, args.rounds = 6, 2
     if args.layers < 8:

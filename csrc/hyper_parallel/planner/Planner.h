@@ -38,18 +38,28 @@
 // through) compare by objective + backlog alone (both exact). So the search is exact for
 // the cost model, at every depth d <= 1 and every budget (no byte grid: the brute-force
 // GoogleTest checks it), and a larger budget never gives a slower plan (the feasible set
-// only grows), unless solve() falls back (below).
+// only grows), unless solve() falls back (below) and the fallback's plan is not proven
+// optimal.
 //
-// The fallback's bound: when the copies saturate the link (say 2x a forward over 100
-// layers) the exact fronts reach 10^5-10^6 labels per layer, the (time, backlog)
-// trade-off being real at every kept value. solve() then searches a byte grid with a
-// capped front (a heuristic) and proves how far its plan can be from the optimum with a
-// relaxation solved exactly on the same grid: kept and host bytes rounded DOWN (every
-// plan that meets the budgets still meets them there) and no D2H backlog (the first
-// reload's wait, the only term that reads it, is >= 0). Its optimum is <= the true
-// optimum, so stats.lower_bound bounds the plan's loss: plan / lower_bound - 1 (1.0-1.1 %
-// on the synthetic 100-layer profiles of PlannerTest, whose exact optima lie 0.4-0.5 %
-// below the plans).
+// The fallback and its bound: when the copies saturate the link (say 2x a forward over
+// 100 layers) the exact fronts reach 10^5-10^6 labels per layer, the (time, backlog)
+// trade-off being real at every kept value. solve() gives the exact search up once a
+// front holds more than kMaxExactLabels labels or kExactLabelsPerLayer x (layers decided)
+// (such fronts grow that fast only in the saturated case; the unsaturated 100-layer
+// profiles of PlannerTest stay below 90 per layer and are solved exactly), then runs a
+// capped search (a heuristic): the same labels with exact bytes, binned by phase and kept
+// bytes (budget / kFallbackBins), each bin keeping the kFallbackPerBin fastest labels no
+// other of the bin dominates; bytes being exact, its plan meets the budgets. It proves how
+// far that plan can be from the optimum with a relaxation: no D2H backlog (the first
+// reload's wait, the only term that reads it, is >= 0), so one phase prices every layer
+// (relaxed_bound(): labels swept in kept order by merging the per-option lists, no sort;
+// within a bin of budget / kBoundBins kept bytes the labels of a class merge into one with
+// the least kept bytes and the least time, a label no worse than each it replaces; with a
+// host budget, the older relaxation on a byte grid rounded down). Its optimum is <= the
+// true optimum, so stats.lower_bound bounds the plan's loss: plan / lower_bound - 1
+// (0.26-0.64 % on the saturated 100-layer profiles of PlannerTest, about 40 ms each;
+// the exact optima lie between). When the plan's objective equals the bound, the plan
+// is optimal and stats.exact is true.
 //
 // Depth d >= 2: the memory constraints are exact (the d classes), the time minimised is
 // the depth-1 time of the assignment, an upper bound of its depth-d time (a reload issued
@@ -65,8 +75,10 @@
 // one whose peak lies within (layers + depth + 2) quanta of the budget may be missed),
 // which bounds the distinct kept values per (classes, phase) by the number of quanta.
 //
-// Cost: O(layers * labels * options * front), labels the size of the Pareto fronts;
-// PlanResult::stats reports them (PlannerTest bounds them).
+// Cost: O(layers * labels * options * front), labels the size of the Pareto fronts; the
+// fallback O(layers * options * (4 * kFallbackBins * kFallbackPerBin^2 + relaxation
+// labels)); PlanResult::stats reports the labels of the searches (not relaxed_bound()'s;
+// PlannerTest bounds them).
 //
 // Thread-safety: a Planner is immutable after construction; solve() may run concurrently.
 
@@ -121,11 +133,13 @@ class Planner {
 
   // The fastest plan whose predicted peak is <= budget_bytes and whose host bytes are
   // <= host_budget_bytes (< 0: unbounded), or feasible = false. When a layer's front
-  // outgrows kMaxExactLabels (copies far slower than the forwards, over many layers),
-  // the search is redone with bytes rounded up to budget / 512, keeping only the 4
-  // fastest labels per (classes, phase, kept quantum): a heuristic whose plan meets the
-  // budgets; the result says stats.exact = false, and stats.lower_bound (at depth <= 1)
-  // is the relaxation's optimum of the header comment, a proven bound of its loss.
+  // outgrows kMaxExactLabels or kExactLabelsPerLayer x (layers decided) (copies far
+  // slower than the forwards, over many layers), the capped search of the header comment
+  // runs instead: a heuristic whose plan meets the budgets; the result says
+  // stats.exact = false (true when the bound proves the plan optimal), and
+  // stats.lower_bound (at depth <= 1) is the relaxation's optimum, a proven bound of its
+  // loss. At depth >= 2 or with a tolerance the exact search is retried up to
+  // kMaxExactLabels alone (no bound to judge the heuristic by).
   // `allowed[k]` (optional, one bit per option) restricts the options of layer k.
   PlanResult solve(int64_t budget_bytes, const std::vector<uint64_t>& allowed = {},
                    int64_t host_budget_bytes = -1) const;
