@@ -201,7 +201,9 @@ def solve_only(sizes=(10, 30, 100), ratios=(0.5, 2.0), fractions=(0.25, 0.5),
                 stats = dict(found[2]) if found else {}
                 gap = None
                 if found and math.isfinite(stats.get("lower_bound_seconds", float("nan"))):
-                    gap = found[1]["step_seconds"] / stats["lower_bound_seconds"] - 1
+                    # (an exact plan has no gap; the bound also holds the traffic term)
+                    gap = (0.0 if stats.get("exact") else
+                           found[1]["step_seconds"] / stats["lower_bound_seconds"] - 1)
                 rows.append({"layers": n, "ratio": ratio, "fraction": fraction,
                              "ms": statistics.median(ts) * 1e3, "gap": gap,
                              "feasible": found is not None, **stats})
