@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -150,6 +150,7 @@ class _Applied:
     options: dict                     # policy_fn, swap_inputs, group_swap of the call
     engine: tuple[int | None, int | None] = (None, None)  # (prefetch depth, offload
     # window) in place before the plan set them; None: the plan left that setting alone
+    cache_hooks: list = field(default_factory=list)  # the use_cache pre-hooks' handles
 
 
 _STATE = "_hp_activation_memory"
@@ -252,6 +253,30 @@ def _configs(model: nn.Module) -> list[Any]:
     return list(seen.values())
 
 
+def _config_owners(model: nn.Module) -> list[nn.Module]:
+    """The modules of a transformers model that hold a ``config`` with ``use_cache``."""
+    return [m for m in model.modules()
+            if hasattr(m.__dict__.get("config"), "use_cache")]
+
+
+def _no_cache_in_training(module, args, kwargs):
+    """Forward pre-hook of a recomputing plan on a transformers model: an explicit
+    ``use_cache=True`` in a training forward (training mode, grad on) becomes False, as
+    transformers' own gradient checkpointing does: the recompute in backward would append
+    the layer's keys and values to the KV cache a second time (a cache twice as long, or a
+    shape error under an attention mask). Eval and no-grad forwards keep it."""
+    if kwargs.get("use_cache") and module.training and torch.is_grad_enabled():
+        _warn_once("use_cache_arg", (
+            f"hyper_parallel: use_cache=True passed to a training forward of "
+            f"{type(module).__name__} is ignored (set to False): its layers are recomputed in "
+            "backward, which would append their keys and values to the KV cache again. Use "
+            "the cache in eval mode or under torch.no_grad()."))
+        kwargs = dict(kwargs)
+        kwargs["use_cache"] = False
+        return args, kwargs
+    return None
+
+
 def _is_transformers_model(model: nn.Module) -> bool:
     tf = sys.modules.get("transformers")
     base = getattr(tf, "PreTrainedModel", None) if tf is not None else None
@@ -347,7 +372,11 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     Notes:
         On a ``transformers`` model, a plan that recomputes turns ``config.use_cache``
         off (with a warning, once): recomputing a layer would append its keys and values
-        to the KV cache a second time. :func:`remove_activation_memory` restores it.
+        to the KV cache a second time. An explicit ``use_cache=True`` passed to a training
+        forward (training mode, grad on) is turned off too (warned once; a forward
+        pre-hook on each module that holds a config), as transformers' own gradient
+        checkpointing does; eval and no-grad forwards keep the cache.
+        :func:`remove_activation_memory` restores the config and removes the hooks.
         Validation happens before the model is touched: an error leaves it as it was.
     """
     if not isinstance(model, nn.Module):
@@ -387,6 +416,7 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     done: list[int] = []
     chain: list[nn.Module] = []
     configs: list[Any] = []
+    cache_hooks: list = []
     try:
         for i, (slot, strategy) in enumerate(zip(slots, strategies)):
             wrapper = _wrap(originals[i], strategy, op_policy, tensor_policy, swap_inputs,
@@ -405,6 +435,8 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
             configs = [c for c in _configs(model) if c.use_cache]
             for c in configs:
                 c.use_cache = False
+            cache_hooks = [m.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+                           for m in _config_owners(model)]
             if configs:
                 _warn_once("use_cache", (
                     f"hyper_parallel: turned config.use_cache off on {type(model).__name__}: "
@@ -412,6 +444,8 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
                     "KV cache a second time. remove_activation_memory(model) turns it back "
                     "on."))
     except BaseException:
+        for handle in cache_hooks:
+            handle.remove()
         _undo(slots, originals, chain, configs)
         _restore_engine(engine)
         raise
@@ -422,7 +456,8 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
         chained=bool(chain), use_cache_disabled=bool(configs))
     unwrapped(model).__dict__[_STATE] = _Applied(
         slots, originals, chain, configs, report,
-        {"policy_fn": policy_fn, "swap_inputs": swap_inputs, "group_swap": group_swap}, engine)
+        {"policy_fn": policy_fn, "swap_inputs": swap_inputs, "group_swap": group_swap}, engine,
+        cache_hooks)
     return report
 
 
@@ -497,6 +532,8 @@ def remove_activation_memory(model: nn.Module) -> bool:
     state: _Applied | None = unwrapped(model).__dict__.pop(_STATE, None)
     if state is None:
         return False
+    for handle in state.cache_hooks:
+        handle.remove()
     _undo(state.slots, state.originals, state.chained, state.use_cache)
     _restore_engine(state.engine)
     return True

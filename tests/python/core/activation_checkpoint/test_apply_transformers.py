@@ -196,3 +196,40 @@ def test_hf_gradient_checkpointing_is_refused(built):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         apply_activation_memory(model, "checkpoint")
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_explicit_use_cache_in_a_training_forward_is_turned_off(attn):
+    # A training forward that passes use_cache=True after a recomputing plan: the recompute
+    # would append the layer's keys and values to the KV cache a second time (sdpa: a
+    # cache of 20 positions for 10 tokens; eager with a padding mask: a shape error in
+    # backward). The forward's argument is turned off (warned), as transformers' own
+    # gradient checkpointing does; gradients stay bitwise equal to the plain model's.
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ref = tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attn_implementation=attn))
+    model = copy.deepcopy(ref)
+    ids = torch.randint(0, 64, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_activation_memory(model, "checkpoint")
+    ref.train()
+    model.train()
+    ref(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+    with pytest.warns(UserWarning, match="hyper_parallel: use_cache=True passed to a training"):
+        out = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=True)
+    out.loss.backward()
+    assert getattr(out, "past_key_values", None) is None
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    # eval keeps the cache
+    model.eval()
+    with torch.no_grad():
+        cached = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    assert cached.past_key_values.get_seq_length() == 10
+    assert remove_activation_memory(model)
+    assert not model._forward_pre_hooks and not model.model._forward_pre_hooks
