@@ -427,21 +427,35 @@ TEST(SwapEngineTest, ManualGroupMovesOnlyWhenTold) {
 
 // ------------------------------------------------------------------ backward side
 
+// Two chained layers, forward run: layer 0 saved a [128, 64] float tensor (offloaded),
+// layer 1 (the last) a [64] one (stays on device); `ea` / `eb` are their values.
+struct TwoLayerForward {
+  std::shared_ptr<SwapGroup> g0, g1;
+  std::shared_ptr<SavedHandle> ha, hb;
+  at::Tensor ea, eb;
+};
+
+TwoLayerForward run_two_layer_forward(SwapEngine& engine) {
+  TwoLayerForward f;
+  auto layers = make_chain(engine, 2);
+  f.g0 = begin(engine, layers[0]);
+  at::Tensor a = at::randn({128, 64});
+  f.ea = a.clone();
+  f.ha = pack(engine, f.g0, a);
+  a.reset();
+  engine.end_forward(f.g0);
+  f.g1 = begin(engine, layers[1]);
+  at::Tensor b = at::randn({64});
+  f.eb = b.clone();
+  f.hb = pack(engine, f.g1, b);
+  b.reset();
+  engine.end_forward(f.g1);
+  return f;
+}
+
 TEST(SwapEngineTest, BackwardBeginPrefetchesThePredecessor) {
   SwapEngine engine(cpu_options(/*delay_ns_per_byte=*/20.0));
-  auto layers = make_chain(engine, 2);
-  auto g0 = begin(engine, layers[0]);
-  at::Tensor a = at::randn({128, 64});
-  const at::Tensor ea = a.clone();
-  auto ha = pack(engine, g0, a);
-  a.reset();
-  engine.end_forward(g0);
-  auto g1 = begin(engine, layers[1]);
-  at::Tensor b = at::randn({64});
-  const at::Tensor eb = b.clone();
-  auto hb = pack(engine, g1, b);
-  b.reset();
-  engine.end_forward(g1);
+  auto [g0, g1, ha, hb, ea, eb] = run_two_layer_forward(engine);
   ASSERT_TRUE(off_device(*ha));
   ASSERT_EQ(hb->record()->state(), Residency::kDevice);
 
@@ -462,19 +476,7 @@ TEST(SwapEngineTest, TryUnpackHandsOutOnlyWhatNeedsNoWait) {
   // change (no reload started, not marked as read by a backward); once its prefetch
   // completed it is handed out with unpack()'s bookkeeping.
   SwapEngine engine(cpu_options(/*delay_ns_per_byte=*/2.0));
-  auto layers = make_chain(engine, 2);
-  auto g0 = begin(engine, layers[0]);
-  at::Tensor a = at::randn({128, 64});
-  const at::Tensor ea = a.clone();
-  auto ha = pack(engine, g0, a);
-  a.reset();
-  engine.end_forward(g0);
-  auto g1 = begin(engine, layers[1]);
-  at::Tensor b = at::randn({64});
-  const at::Tensor eb = b.clone();
-  auto hb = pack(engine, g1, b);
-  b.reset();
-  engine.end_forward(g1);
+  auto [g0, g1, ha, hb, ea, eb] = run_two_layer_forward(engine);
   engine.synchronize();
   ASSERT_TRUE(off_device(*ha));
   const Residency before = ha->record()->state();
