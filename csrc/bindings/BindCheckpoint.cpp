@@ -2,12 +2,14 @@
 
 #include "hyper_parallel/activation/CheckpointPolicy.h"
 #include "hyper_parallel/activation/OpPolicyTable.h"
+#include "hyper_parallel/activation/RngStep.h"
 #include "hyper_parallel/activation/SacCache.h"
 #include "hyper_parallel/activation/SwapEngine.h"
 #include "hyper_parallel/common/Macros.h"
 
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <pybind11/stl.h>
 
 namespace py = pybind11;
 
@@ -128,6 +130,20 @@ neither get the default. See csrc/hyper_parallel/activation/OpPolicyTable.h.)doc
       py::module_::import("builtins").attr("object")());
   m.attr("SAC_RECOMPUTE") = *recompute_marker;
 
+  py::class_<RngStep>(m, "RngStep", R"doc(
+What one random op did to its device's default generator in a selective checkpoint region's
+forward (csrc/hyper_parallel/activation/RngStep.h): handed to SacCache.record with the op's
+cached outputs, so that recompute moves the generator as running the op would have.
+)doc")
+      .def_static("before", &RngStep::before, py::arg("device"),
+                  "The default generator's state of `device` (torch.device) before the op, or "
+                  "None when the device has no default generator.")
+      .def("after", &RngStep::after,
+           "Right after the op: records the state; returns whether the op moved it.")
+      .def("replay", &RngStep::replay,
+           "Sets the generator to the 'after' state if it is at the 'before' state; returns "
+           "whether it did.");
+
   py::class_<SacCache, std::shared_ptr<SacCache>>(m, "SacCache", R"doc(
 State of one selective-checkpoint region invocation: per (op, call index) either a
 'recompute' marker, cached outputs, or swap handles (MUST_SWAP). See
@@ -141,7 +157,8 @@ csrc/hyper_parallel/activation/SacCache.h.)doc")
         return std::const_pointer_cast<OpPolicyTable>(c.table());
       })
       .def("record",
-           [](SacCache& c, int64_t op_key, const py::handle& out, const py::object& policy) {
+           [](SacCache& c, int64_t op_key, const py::handle& out, const py::object& policy,
+              std::optional<RngStep> rng) {
              const CheckpointPolicy p =
                  policy.is_none() ? c.table_policy(op_key) : policy.cast<CheckpointPolicy>();
              std::vector<c10::IValue> values;
@@ -156,11 +173,13 @@ csrc/hyper_parallel/activation/SacCache.h.)doc")
              }
              std::shared_ptr<SwapGroup> group;
              if (is_swap(p)) group = SwapEngine::global().current_group();
-             c.record(op_key, p, values, kind, group);
+             c.record(op_key, p, values, kind, group, std::move(rng));
              return true;
            },
            py::arg("op_key"), py::arg("output"), py::arg("policy") = py::none(),
-           "Records the next call of op_key in forward with `policy` (None: the table's). "
+           py::arg("rng") = py::none(),
+           "Records the next call of op_key in forward with `policy` (None: the table's); "
+           "`rng`: a random op's RngStep (after() called), replayed with its outputs. "
            "Returns False when the output could not be cached (a tensor subclass, SymInt, ...) "
            "and the call was recorded as 'recompute' instead.")
       .def("end_forward",

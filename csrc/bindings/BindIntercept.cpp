@@ -15,7 +15,7 @@ using namespace activation;
 namespace {
 
 // The classifier of _selective.py: classify("aten::mm.default") -> (key, kind, writes,
-// is_to_copy) or None (schema rules).
+// is_to_copy, is_random) or None (schema rules).
 OpClassifier python_classifier(py::object fn) {
   auto held = std::make_shared<py::object>(std::move(fn));
   return [held](const c10::OperatorHandle& op) {
@@ -31,6 +31,7 @@ OpClassifier python_classifier(py::object fn) {
     f.kind = static_cast<OpKind>(t[1].cast<int>());
     f.writes = t[2].cast<std::vector<int>>();
     f.to_copy = t[3].cast<bool>();
+    f.seeded = t.size() > 4 && t[4].cast<bool>();
     return f;
   };
 }
@@ -82,8 +83,8 @@ void bind_intercept(py::module_& m) {
   m.def("set_op_classifier",
         [](py::object fn) { OpInterceptor::set_classifier(python_classifier(std::move(fn))); },
         py::arg("classify"),
-        "classify('ns::op.overload') -> (op key, kind, written positions, is _to_copy) or "
-        "None; called once per op (memoised in C++).");
+        "classify('ns::op.overload') -> (op key, kind, written positions, is _to_copy, "
+        "is random) or None; called once per op (memoised in C++).");
   m.def("forget_intercepted_ops", &OpInterceptor::forget_ops);
   m.def("intercepted_total", &OpInterceptor::intercepted_total,
         "Ops handled in C++ by selective-checkpoint regions so far (process-wide).");

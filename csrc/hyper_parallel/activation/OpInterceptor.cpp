@@ -157,6 +157,19 @@ void push_replay(const c10::FunctionSchema& schema, SacCache::Replay&& r,
   }
 }
 
+void warn_no_generator(int64_t op_key, const c10::Device& device) {
+  static std::mutex mu;
+  static std::unordered_set<int64_t>* warned = new std::unordered_set<int64_t>();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!warned->insert(op_key).second) return;
+  }
+  TORCH_WARN("hyper_parallel: selective checkpoint cannot cache the output of the random op ",
+             OpNames::name(op_key), " on ", device, ": the device has no default generator "
+             "whose state it could replay in recompute, so this op is recomputed in backward "
+             "whatever the policy says.");
+}
+
 void warn_uncacheable(int64_t op_key) {
   static std::mutex mu;
   static std::unordered_set<int64_t>* warned = new std::unordered_set<int64_t>();
@@ -190,6 +203,7 @@ OpFacts facts_from_schema(const c10::OperatorHandle& op) {
   }
   if (aliasing || !f.writes.empty()) return f;
   f.kind = OpKind::kPlain;
+  f.seeded = op.hasTag(at::Tag::nondeterministic_seeded);
   f.key = OpNames::intern(op_full_name(op));
   return f;
 }
@@ -271,11 +285,27 @@ void SacRegion::forward(const c10::OperatorHandle& op, const OpFacts& facts,
     return;
   }
   const bool weight_cast = facts.to_copy && is_weight_cast(torch::jit::last(*stack, nargs));
+  CheckpointPolicy policy = CheckpointPolicy::PREFER_RECOMPUTE;
+  std::optional<RngStep> rng;
+  if (facts.kind == OpKind::kPlain && !weight_cast) {
+    policy = cache_->table_policy(facts.key);
+    if (facts.seeded && !is_recompute(policy)) {
+      // A random op to cache: its generator's state before and after (RngStep.h).
+      const auto device = RngStep::generator_device(torch::jit::last(*stack, nargs));
+      if (device) {
+        rng = RngStep::before(*device);
+        if (!rng) {
+          warn_no_generator(facts.key, *device);
+          policy = CheckpointPolicy::PREFER_RECOMPUTE;
+        }
+      }
+    }
+  }
   run_next(op, ks, stack, level);
+  if (rng && !rng->after()) rng.reset();
   const auto outs = torch::jit::last(*stack, schema.returns().size());
   external_.forward_outputs(outs);
   if (facts.kind != OpKind::kPlain || weight_cast) return;
-  const CheckpointPolicy policy = cache_->table_policy(facts.key);
   if (is_recompute(policy)) {
     cache_->record(facts.key, policy, {}, OutputKind::kSingle, nullptr);
     return;
@@ -289,7 +319,7 @@ void SacRegion::forward(const c10::OperatorHandle& op, const OpFacts& facts,
   }
   std::shared_ptr<SwapGroup> group;
   if (is_swap(policy)) group = SwapEngine::global().current_group();
-  cache_->record(facts.key, policy, values, kind, group);
+  cache_->record(facts.key, policy, values, kind, group, std::move(rng));
 }
 
 void SacRegion::recompute(const c10::OperatorHandle& op, const OpFacts& facts,

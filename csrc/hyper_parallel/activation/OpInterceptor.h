@@ -64,6 +64,7 @@ struct OpFacts {
   OpKind kind = OpKind::kIgnored;
   std::vector<int> writes;  // schema positions of the arguments the op writes
   bool to_copy = false;     // aten::_to_copy (autocast's weight casts are not counted)
+  bool seeded = false;      // tagged nondeterministic_seeded: cached with its RngStep
 };
 
 // Computes the facts of an op, once per operator. The Python layer installs the rules of

@@ -22,7 +22,7 @@ CheckpointPolicy SacCache::table_policy(int64_t op_key) const {
 
 int64_t SacCache::record(int64_t op_key, CheckpointPolicy policy,
                          const std::vector<c10::IValue>& outputs, OutputKind kind,
-                         const std::shared_ptr<SwapGroup>& group) {
+                         const std::shared_ptr<SwapGroup>& group, std::optional<RngStep> rng) {
   HP_CHECK_VALUE(op_key >= 0, "invalid op key ", op_key);
   Entry entry;
   entry.kind = kind;
@@ -46,6 +46,7 @@ int64_t SacCache::record(int64_t op_key, CheckpointPolicy policy,
       }
       entry.slots.push_back(std::move(slot));
     }
+    entry.rng = std::move(rng);
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (static_cast<size_t>(op_key) >= entries_.size()) {
@@ -76,6 +77,7 @@ std::vector<SacCache::Demoted> SacCache::end_forward() {
       }
       if (!mutated) continue;
       e.slots.clear();
+      e.rng.reset();  // replayed: the op draws again
       e.state = State::kRecompute;
       --cached_calls_[op];
       out.push_back(Demoted{static_cast<int64_t>(op), static_cast<int64_t>(i), e.policy});
@@ -138,9 +140,11 @@ SacCache::Replay SacCache::replay(int64_t op_key, bool retain) {
     }
   }
   ++replays_;
+  if (entry.rng) entry.rng->replay();
   if (!retain) {
     entry.slots.clear();
     entry.slots.shrink_to_fit();
+    entry.rng.reset();
     entry.state = State::kDropped;
   }
   return out;
@@ -205,6 +209,7 @@ void SacCache::clear() {
     for (auto& e : calls) {
       if (e.state == State::kCached) {
         e.slots.clear();
+        e.rng.reset();
         e.state = State::kDropped;
       }
     }

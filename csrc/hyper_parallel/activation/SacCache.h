@@ -39,6 +39,7 @@
 
 #include "hyper_parallel/activation/CheckpointPolicy.h"
 #include "hyper_parallel/activation/OpPolicyTable.h"
+#include "hyper_parallel/activation/RngStep.h"
 #include "hyper_parallel/activation/SavedHandle.h"
 
 #include <ATen/core/Tensor.h>
@@ -47,6 +48,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 namespace hyper_parallel::activation {
@@ -95,8 +97,12 @@ class SacCache {
   //    engine does not swap (ineligible, excluded, or no group) is kept as saved;
   //  * MUST_RECOMPUTE / PREFER_RECOMPUTE: records the marker only (`outputs` unused).
   // Cached tensors are reported to the active SavedBytesMeter (they are saved activations).
+  // `rng`: for a random op, what it did to its generator (RngStep::after() already called);
+  // kept only when the outputs are cached and the op moved the generator, and replayed by
+  // replay() when it hands those outputs back.
   int64_t record(int64_t op_key, CheckpointPolicy policy, const std::vector<c10::IValue>& outputs,
-                 OutputKind kind, const std::shared_ptr<SwapGroup>& group);
+                 OutputKind kind, const std::shared_ptr<SwapGroup>& group,
+                 std::optional<RngStep> rng = std::nullopt);
 
   struct Demoted {
     int64_t op_key;
@@ -118,7 +124,8 @@ class SacCache {
     std::vector<c10::IValue> outputs;  // fresh aliases (no autograd history)
   };
   // The next call of `op_key` in this pass. `retain`: keep the entry for another backward
-  // (retain_graph=True); otherwise it is released after this replay.
+  // (retain_graph=True); otherwise it is released after this replay. Cached outputs of a
+  // random op that moved its generator in forward move it again (RngStep::replay).
   // Throws c10::Error ("hyper_parallel: ...") when forward did not run this call of an op
   // it cached some call of (the recomputed op sequence differs), when the entry was released by an earlier backward,
   // or when a cached tensor was modified in place after it was cached.
@@ -147,6 +154,7 @@ class SacCache {
     CheckpointPolicy policy = CheckpointPolicy::PREFER_RECOMPUTE;
     OutputKind kind = OutputKind::kSingle;
     std::vector<Slot> slots;
+    std::optional<RngStep> rng;  // a random op's generator step (cached entries only)
   };
 
   SwapEngine& engine() const;

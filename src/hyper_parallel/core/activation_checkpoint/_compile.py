@@ -90,8 +90,9 @@ class _TorchPolicy:
 
     It is consulted at trace time only (the partitioner keeps its decision in the graph),
     so per-op Python here costs nothing per step. The rules of the eager modes hold: ops
-    that write their arguments, return views or draw random numbers are recomputed
-    whatever the policy says, and the policy sees the same ``ctx`` and ``op`` objects.
+    that write their arguments or return views are recomputed whatever the policy says,
+    random ops are asked like any other (the partitioner keeps the RNG of the compiled
+    graph aligned), and the policy sees the same ``ctx`` and ``op`` objects.
     """
 
     def __init__(self, policy) -> None:

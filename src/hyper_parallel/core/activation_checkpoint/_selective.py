@@ -21,10 +21,18 @@ in C++ (``_C.SacRegion``: no Python call per op) with the same rules. They share
 Ops that are never cached, whatever the policy says, because caching them would be wrong
 or useless: ops that write their arguments (in-place and ``out=`` variants: skipping
 them in recompute would skip the write), ops that return views of their inputs (free to
-replay; caching one would pin its base), random ops (tagged ``nondeterministic_seeded``:
-they must be replayed so that the replayed RNG stream stays aligned for every random op
-after them) and torch's ``SAC_IGNORED_OPS`` (``detach`` and metadata queries, whose
-number differs between forward and recompute). The policy is not consulted for them.
+replay; caching one would pin its base) and torch's ``SAC_IGNORED_OPS`` (``detach`` and
+metadata queries, whose number differs between forward and recompute). The policy is not
+consulted for them; a list or dict naming one is warned about when it is prepared.
+
+Random ops (tagged ``nondeterministic_seeded``: dropout, bernoulli, and every fused
+attention kernel, even at ``dropout_p=0``) are asked about like any other op. One whose
+outputs are cached carries a ``_C.RngStep`` (csrc/hyper_parallel/activation/RngStep.h): the
+state of its device's default generator before and after it in forward. When recompute
+hands the cached outputs back instead of running the op, the generator is moved to the
+"after" state, so every random op recomputed after it draws what it drew in forward (only
+when the generator is at the "before" state: with ``preserve_rng_state=False`` nothing is
+touched). An op that did not move the generator records nothing.
 """
 
 from __future__ import annotations
@@ -88,13 +96,15 @@ _TO_COPY = torch.ops.aten._to_copy.default
 
 
 class _OpInfo:
-    __slots__ = ("key", "name", "kind", "writes")
+    __slots__ = ("key", "name", "kind", "writes", "seeded")
 
-    def __init__(self, key: int, name: str, kind: int, writes: tuple) -> None:
+    def __init__(self, key: int, name: str, kind: int, writes: tuple,
+                 seeded: bool = False) -> None:
         self.key = key  # -1: never cached (see module docstring)
         self.name = name
         self.kind = kind
         self.writes = writes  # argument positions the op writes (-1: the out= kwarg)
+        self.seeded = seeded  # a random op: cached with its RngStep (module docstring)
 
 
 _OP_INFO: dict = {}
@@ -130,15 +140,27 @@ def _written_args(func) -> tuple:
     return tuple(out)
 
 
-def _cacheable(func) -> bool:
-    if func in _IGNORED_OPS or func in _UNANNOTATED_WRITES or not isinstance(func, OpOverload):
-        return False
+def _never_cached(func) -> str | None:
+    """Why selective checkpoint never caches ``func`` (see the module docstring), or
+    ``None`` when the policy decides."""
+    if not isinstance(func, OpOverload):
+        return "it is not an ATen operator overload"
+    if func in _IGNORED_OPS or is_sac_ignored(func):
+        return "torch's selective checkpoint ignores it (SAC_IGNORED_OPS or ignore_sac_ops)"
+    if func in _UNANNOTATED_WRITES:
+        return "it writes its arguments (the running statistics)"
     if func.namespace in FUNCTIONAL_NAMESPACES:
-        return False  # wait_tensor: it only waits (the collectives are kept, see below)
+        return "it only waits for a collective (the collective's result is kept)"
     schema = func._schema
-    if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
-        return False
-    return torch.Tag.nondeterministic_seeded not in func.tags
+    if schema.is_mutable:
+        return "it writes its arguments (in-place or out=), so recompute must run it"
+    if any(r.alias_info is not None for r in schema.returns):
+        return "it returns a view of its input, which recompute replays for free"
+    return None
+
+
+def _cacheable(func) -> bool:
+    return _never_cached(func) is None
 
 
 def _op_info(func) -> _OpInfo:
@@ -150,7 +172,8 @@ def _op_info(func) -> _OpInfo:
         elif isinstance(func, OpOverload) and is_collective(func):
             info = _OpInfo(int(_C.intern_op(name)), name, _COLLECTIVE, _written_args(func))
         elif _cacheable(func):
-            info = _OpInfo(int(_C.intern_op(name)), name, _PLAIN, ())
+            info = _OpInfo(int(_C.intern_op(name)), name, _PLAIN, (),
+                           torch.Tag.nondeterministic_seeded in func.tags)
         else:
             info = _OpInfo(-1, name, _IGNORED, _written_args(func))
         _OP_INFO[func] = info
@@ -185,8 +208,8 @@ def _op_from_name(name: str):
 
 
 def _native_facts(name: str):
-    """(op key, kind, schema positions it writes, is _to_copy) of an op for C++, or None
-    (schema rules) for an op torch.ops cannot name."""
+    """(op key, kind, schema positions it writes, is _to_copy, is random) of an op for
+    C++, or None (schema rules) for an op torch.ops cannot name."""
     func = _op_from_name(name)
     if func is None:
         return None
@@ -195,7 +218,7 @@ def _native_facts(name: str):
     if -1 in info.writes:  # kwarg-only (out=) arguments: their schema positions
         writes |= {i for i, a in enumerate(func._schema.arguments)
                    if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write}
-    return info.key, info.kind, tuple(sorted(writes)), func is _TO_COPY
+    return info.key, info.kind, tuple(sorted(writes)), func is _TO_COPY, info.seeded
 
 
 _C.set_op_classifier(_native_facts)
@@ -259,6 +282,41 @@ def _warn_demoted(name: str, call: int, policy) -> None:
         "write to a clone of it instead.",
         stacklevel=4,
     )
+
+
+def _is_recompute(policy) -> bool:
+    return policy in (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+
+
+_NO_GENERATOR = object()  # _rng_before: the op's device has no default generator
+_warned_no_generator: set = set()
+
+
+def _rng_before(info: _OpInfo, args, kwargs):
+    """A random op's ``_C.RngStep`` before it runs (module docstring): ``None`` when it is
+    given an explicit generator (the default one is not used), :data:`_NO_GENERATOR` when
+    its device has none (the op is then recomputed whatever the policy says)."""
+    if isinstance(kwargs.get("generator"), torch.Generator) or any(
+            isinstance(a, torch.Generator) for a in args):
+        return None
+    device = next(iter_tensors(args), None)
+    if device is None:
+        device = next(iter_tensors(kwargs.values()), None)
+    if device is not None:
+        device = device.device
+    else:
+        device = torch.device(kwargs.get("device") or "cpu")
+    step = _C.RngStep.before(device)
+    if step is not None:
+        return step
+    if info.name not in _warned_no_generator:
+        _warned_no_generator.add(info.name)
+        warnings.warn(
+            f"hyper_parallel: selective checkpoint cannot cache the output of the random op "
+            f"{info.name} on {device}: the device has no default generator whose state it "
+            "could replay in recompute, so this op is recomputed in backward whatever the "
+            "policy says.", stacklevel=4)
+    return _NO_GENERATOR
 
 
 def _check(res, info: _OpInfo):
@@ -366,7 +424,13 @@ class _CachingMode(TorchDispatchMode):
             # ignore_sac_ops, or inside a checkpoint_exclude_wrapper (not replayed).
             return func(*args, **kwargs)
         st.external.forward_inputs(info.name, args, kwargs, info.writes)
+        rng = None
+        if info.seeded and info.kind == _PLAIN and st.cache is not None and (
+                st.policy_fn is not None or not _is_recompute(st.table.policy_for(info.key))):
+            rng = _rng_before(info, args, kwargs)
         out = func(*args, **kwargs)
+        if rng is not None and rng is not _NO_GENERATOR and not rng.after():
+            rng = None  # the op left its generator where it was
         st.external.forward_outputs(out)
         kind = info.kind
         if kind == _COLLECTIVE:
@@ -376,13 +440,15 @@ class _CachingMode(TorchDispatchMode):
         if kind != _PLAIN or st.cache is None or _autocast_weight_cast(func, args):
             return out
         if st.policy_fn is None:
-            ok = st.cache.record(info.key, out)
+            res = None
         else:
             res = _check(st.policy_fn(SelectiveCheckpointContext(False, out), func, *args,
                                       **kwargs), info)
             if res is _MUST_SWAP and st.lazy_swap:
                 st.open_swap_region()
-            ok = st.cache.record(info.key, out, res)
+        if rng is _NO_GENERATOR:
+            res, rng = CheckpointPolicy.PREFER_RECOMPUTE, None
+        ok = st.cache.record(info.key, out, res, rng)
         if not ok:
             _warn_uncacheable(info.name, out)
         return out
@@ -753,6 +819,26 @@ def _op_names(item, what: str) -> str:
         "(aten.addmm, aten.mm, ...).")
 
 
+def _warn_if_never_cached(name: str, policy, what: str) -> None:
+    """Warns when a list or dict names an op (``ns.op`` or ``ns.op.overload``) that
+    selective checkpoint never caches, so asking to save or swap it does nothing."""
+    if _is_recompute(policy):
+        return
+    parts = name.split(".")
+    packet = getattr(getattr(torch.ops, parts[0], None), parts[1], None)
+    if not isinstance(packet, OpOverloadPacket):
+        return
+    names = [parts[2]] if len(parts) == 3 else packet.overloads()
+    reasons = {_never_cached(getattr(packet, o)) for o in names}
+    if None in reasons or not reasons:
+        return
+    warnings.warn(
+        f"hyper_parallel: {what}: {name} is never cached by selective checkpoint "
+        f"({'; '.join(sorted(reasons))}), so {policy.name} has no effect on it. Name the op "
+        "that produces the tensor instead (for example the out-of-place variant).",
+        stacklevel=4)
+
+
 def _validated_name(name: str, what: str) -> str:
     norm = name.replace("::", ".", 1)
     parts = norm.split(".")
@@ -811,12 +897,16 @@ def compile_policy(policy_fn) -> SelectivePolicy | None:
             if isinstance(key, str) and key == _DEFAULT_KEY:
                 table.default = policy
             else:
-                table.set(_op_names(key, what), policy)
+                name = _op_names(key, what)
+                _warn_if_never_cached(name, policy, what)
+                table.set(name, policy)
         return SelectivePolicy(table=table)
     if isinstance(policy_fn, (list, tuple, set, frozenset)):
         table = _C.OpPolicyTable()
         for item in policy_fn:
-            table.set(_op_names(item, "policy_fn list"), _MUST_SAVE)
+            name = _op_names(item, "policy_fn list")
+            _warn_if_never_cached(name, _MUST_SAVE, "policy_fn list")
+            table.set(name, _MUST_SAVE)
         return SelectivePolicy(table=table)
     if callable(policy_fn):
         return SelectivePolicy(fn=check_checkpoint_policy(policy_fn))

@@ -261,6 +261,7 @@ def test_mutating_view_and_random_ops_are_never_cached(caches):
     g = torch.autograd.grad(checkpoint(fn, x, policy_fn=save_everything).sum(), [x, w])
     for a, b in zip(g, g_ref):
         assert torch.equal(a, b)
-    assert "aten.mm.default" in names and "aten.tanh.default" in names
-    assert not any(n.startswith(("aten.native_dropout", "aten.t.", "aten.relu_", "aten.detach"))
-                   for n in names), names
+    # Random ops are asked too (a cached one replays its RNG step in recompute).
+    assert {"aten.mm.default", "aten.tanh.default", "aten.bernoulli_.float"} - set(names) == {
+        "aten.bernoulli_.float"}  # in place: never asked
+    assert not any(n.startswith(("aten.t.", "aten.relu_", "aten.detach")) for n in names), names

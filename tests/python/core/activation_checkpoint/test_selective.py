@@ -1,6 +1,8 @@
 """Region modes of selective checkpoint (_selective.py): when a callable policy opens a
 swap region (docs/design.md, "Selective checkpoint")."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -249,3 +251,119 @@ def test_dropout_in_a_cpp_region_replays_the_rng_stream():
     checkpoint(layer, x, policy_fn=_SAVE_ADDMM).square().sum().backward()
     for a, b in zip([p.grad for p in layer.parameters()] + [x.grad], expected):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ random ops
+# Random ops (tagged nondeterministic_seeded) are asked about like any other op; a cached one
+# carries the RNG step it took in forward, replayed in recompute (_C.RngStep).
+
+_NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
+_SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _two_random_ops(x, w):
+    """native_dropout (random, out of place), then bernoulli (random) that must draw in
+    recompute what it drew in forward."""
+    h, _ = _NATIVE_DROPOUT(x @ w, 0.5, True)
+    mask = torch.bernoulli(torch.sigmoid(h).detach())
+    return torch.tanh(h * mask + h)
+
+
+def _grads_with_and_without_checkpoint(fn, policy_fn, **options):
+    torch.manual_seed(0)
+    x = torch.randn(6, D, requires_grad=True)
+    w = torch.randn(D, D, requires_grad=True)
+    torch.manual_seed(11)
+    expected = torch.autograd.grad(fn(x, w).square().sum(), [x, w])
+    state_ref = torch.get_rng_state()
+    torch.manual_seed(11)
+    out = checkpoint(fn, x, w, policy_fn=policy_fn, **options)
+    got = torch.autograd.grad(out.square().sum(), [x, w])
+    return got, expected, torch.equal(torch.get_rng_state(), state_ref)
+
+
+def _save_dropout(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op is _NATIVE_DROPOUT else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["cpp", "python-modes"])
+@pytest.mark.parametrize("policy", ["callable", "list", "swap-dict"])
+def test_a_saved_random_op_keeps_the_recompute_rng_aligned(monkeypatch, caches, policy, native):
+    monkeypatch.setattr(_selective, "NATIVE", native and _selective.NATIVE)
+    policy_fn = {"callable": _save_dropout, "list": [_NATIVE_DROPOUT],
+                 "swap-dict": {_NATIVE_DROPOUT: CheckpointPolicy.MUST_SWAP}}[policy]
+    got, expected, rng_same = _grads_with_and_without_checkpoint(_two_random_ops, policy_fn)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    assert rng_same  # the training's RNG stream is where the run without checkpoint left it
+    stats = caches[-1].stats()
+    assert stats["dropped_entries"] == 1  # native_dropout's outputs cached, handed back once
+    assert stats["recompute_entries"] >= 2  # mm, bernoulli, ... ran again
+
+
+def test_sdpa_is_asked_and_saved(caches):
+    asked = []
+
+    def save_attention(ctx, op, *args, **kwargs):
+        if not ctx.is_recompute:
+            asked.append(op)
+        return CheckpointPolicy.MUST_SAVE if op is _SDPA_CPU else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def attention(x, w):
+        q = (x @ w).view(2, 3, 2, D // 2).transpose(1, 2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return a.transpose(1, 2).reshape(6, D).tanh()
+
+    for policy_fn in (save_attention, [_SDPA_CPU]):
+        got, expected, _ = _grads_with_and_without_checkpoint(attention, policy_fn)
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+        assert caches[-1].stats()["dropped_entries"] == 1
+    assert _SDPA_CPU in asked
+
+
+def test_preserve_rng_state_false_never_rewinds_the_rng():
+    # Recompute does not restore the forward's RNG state, so the generator is not at the
+    # "before" state of the cached dropout: nothing is set (a set would rewind the RNG).
+    torch.manual_seed(0)
+    x = torch.randn(6, D, requires_grad=True)
+    w = torch.randn(D, D, requires_grad=True)
+    torch.manual_seed(11)
+    out = checkpoint(_two_random_ops, x, w, policy_fn=[_NATIVE_DROPOUT], preserve_rng_state=False)
+    after_forward = torch.get_rng_state()
+    torch.rand(1)
+    at_backward = torch.get_rng_state()
+    out.square().sum().backward()
+    final = torch.get_rng_state()
+    # Only the recomputed bernoulli drew, from where the generator was at backward.
+    torch.set_rng_state(at_backward)
+    torch.bernoulli(torch.full((6, D), 0.5))
+    assert torch.equal(final, torch.get_rng_state())
+    assert not torch.equal(final, after_forward)
+
+
+def test_rng_step_replays_only_from_its_before_state():
+    step = _C.RngStep.before(torch.device("cpu"))
+    before = torch.get_rng_state()
+    torch.rand(3)
+    after = torch.get_rng_state()
+    assert step.after()  # the op moved the generator
+    torch.manual_seed(5)  # elsewhere: replay leaves it
+    elsewhere = torch.get_rng_state()
+    assert not step.replay() and torch.equal(torch.get_rng_state(), elsewhere)
+    torch.set_rng_state(before)
+    assert step.replay() and torch.equal(torch.get_rng_state(), after)
+    still = _C.RngStep.before(torch.device("cpu"))
+    assert not still.after()  # nothing drew
+
+
+def test_a_list_naming_an_op_that_is_never_cached_warns():
+    with pytest.warns(UserWarning, match=r"aten.relu_.default is never cached .*writes its "
+                                         r"arguments.* MUST_SAVE has no effect"):
+        _selective.compile_policy([torch.ops.aten.relu_.default])
+    with pytest.warns(UserWarning, match=r"aten.t is never cached .*view"):
+        _selective.compile_policy({"aten.t": CheckpointPolicy.MUST_SWAP})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _selective.compile_policy([torch.ops.aten.native_dropout, "aten.addmm"])
+        _selective.compile_policy({torch.ops.aten.relu_.default: CheckpointPolicy.MUST_RECOMPUTE})
