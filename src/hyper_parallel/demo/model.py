@@ -20,7 +20,7 @@ def build_config(*, layers: int, hidden: int, heads: int, seq_len: int,
         heads: attention heads (key/value heads equal, no grouped-query attention).
         seq_len: longest sequence, in tokens.
         attn: ``"eager"`` (attention as matmul + softmax; the matmuls are visible to a
-            selective policy) or ``"sdpa"``.
+            selective policy) or ``"sdpa"`` (one fused kernel, which "selective" keeps).
 
     Returns:
         The config. ``use_cache`` is off: training needs no key/value cache, and a cache

@@ -32,13 +32,25 @@ from ._wrappers import swap_wrapper
 #: eager attention's two products are ``aten.bmm``/``aten.baddbmm``.
 MATMUL_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm,
               torch.ops.aten.baddbmm)
-_MATMUL_NAMES = frozenset(f"{packet}.default" for packet in MATMUL_OPS)
+#: The fused attention kernels scaled_dot_product_attention dispatches to (flash,
+#: memory-efficient, cuDNN, and the CPU flash kernel), those this torch has: "selective"
+#: keeps their outputs too (as torchtitan's op-level policy does), so an "sdpa" model
+#: does not run attention again in backward. They are random ops (their dropout):
+#: cached, they replay their RNG step in recompute (_selective.py).
+ATTENTION_OPS = tuple(getattr(torch.ops.aten, name) for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name))
+#: What "selective" keeps on the device and "selective_swap" offloads.
+SELECTIVE_OPS = MATMUL_OPS + ATTENTION_OPS
+_SELECTIVE_NAMES = frozenset(f"{packet}.default" for packet in SELECTIVE_OPS)
 
 
 def swap_matmuls_policy(ctx, op, *args, **kwargs):
-    """The op policy of "selective_swap": offload matmul outputs to the host, recompute
-    the rest. ``str(op)`` is the overload's name, e.g. ``"aten.mm.default"``."""
-    if str(op) in _MATMUL_NAMES:
+    """The op policy of "selective_swap": offload matmul and fused attention outputs
+    (:data:`SELECTIVE_OPS`) to the host, recompute the rest. ``str(op)`` is the overload's
+    name, e.g. ``"aten.mm.default"``."""
+    if str(op) in _SELECTIVE_NAMES:
         return CheckpointPolicy.MUST_SWAP
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -65,11 +77,12 @@ class Strategy:
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("none", "every activation saved on the device", False, False),
     Strategy("checkpoint", "checkpoint_wrapper on every layer (full recompute)", True, False),
-    Strategy("selective", "checkpoint_wrapper, policy_fn=[mm, addmm, bmm, baddbmm] saved",
-             True, False),
+    Strategy("selective", "checkpoint_wrapper, policy_fn=[mm, addmm, bmm, baddbmm, fused "
+             "attention] saved", True, False),
     Strategy("swap", "swap_wrapper on every layer + prefetch chain", False, True),
     Strategy("mixed", "even layers checkpoint, odd layers swap + chain", True, True),
-    Strategy("selective_swap", "checkpoint_wrapper, MUST_SWAP for matmul outputs + chain",
+    Strategy("selective_swap", "checkpoint_wrapper, MUST_SWAP for matmul and attention "
+             "outputs + chain",
              True, True),
     Strategy("checkpoint_swap", "checkpoint_wrapper with swap_inputs=True (full recompute, "
              "inputs offloaded) + chain", True, True),
@@ -311,10 +324,10 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
 
     * ``"none"``: nothing (every activation stays on the device);
     * ``"checkpoint"``: ``checkpoint_wrapper`` (full recompute);
-    * ``"selective"``: ``checkpoint_wrapper`` that keeps the matmul outputs
-      (:data:`MATMUL_OPS`) and recomputes the rest;
+    * ``"selective"``: ``checkpoint_wrapper`` that keeps the matmul and fused attention
+      outputs (:data:`SELECTIVE_OPS`) and recomputes the rest;
     * ``"swap"``: ``swap_wrapper`` (saved activations offloaded to host memory);
-    * ``"selective_swap"``: ``checkpoint_wrapper`` that offloads the matmul outputs
+    * ``"selective_swap"``: ``checkpoint_wrapper`` that offloads those outputs
       (``MUST_SWAP``, :func:`swap_matmuls_policy`) and recomputes the rest;
     * ``"checkpoint_swap"``: ``checkpoint_wrapper(swap_inputs=True)``: full recompute, and
       the inputs it keeps for the recompute are offloaded too (the planner's lowest-memory
@@ -497,7 +510,7 @@ def _wrap(layer: nn.Module, strategy: str, op_policy, tensor_policy, swap_inputs
     if strategy == "checkpoint":
         policy = None
     elif strategy == "selective":
-        policy = op_policy if op_policy is not None else list(MATMUL_OPS)
+        policy = op_policy if op_policy is not None else list(SELECTIVE_OPS)
     else:  # selective_swap
         policy = op_policy if op_policy is not None else swap_matmuls_policy
     return checkpoint_wrapper(layer, policy_fn=policy, swap_inputs=swap_inputs,

@@ -115,7 +115,8 @@ class ActivationProfile:
 
     @property
     def matmul_bytes(self) -> list[int] | None:
-        """Per layer, the bytes "selective" keeps beyond "checkpoint" (matmul outputs)."""
+        """Per layer, the bytes "selective" keeps beyond "checkpoint" (matmul and fused
+        attention outputs)."""
         if not {"selective", "checkpoint"} <= set(self.costs):
             return None
         return [max(0, s.kept_bytes - c.kept_bytes)

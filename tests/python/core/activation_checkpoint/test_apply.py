@@ -195,6 +195,50 @@ def test_policy_fn_goes_to_the_strategies_that_take_one(cpu_swap, dev, caches):
     assert SwapManager().stats()["skipped"]["kept_by_policy"]["count"] > 0
 
 
+class _AttentionBlock(nn.Module):
+    """A layer whose attention is F.scaled_dot_product_attention (a fused kernel)."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(torch.tanh(a.transpose(1, 2).reshape(b, s, h)))
+
+
+class _AttentionStack(nn.Module):
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_AttentionBlock() for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_selective_keeps_fused_attention_outputs(caches):
+    # "selective" keeps the fused attention kernel's outputs (a random op, at dropout 0
+    # it draws nothing), so backward does not run attention again; gradients bitwise.
+    torch.manual_seed(0)
+    model = _AttentionStack()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 6, 32)
+    apply_activation_memory(model, "selective")
+    loss = model(x)
+    attention_shaped = [[tuple(t.shape) for t in c.cached_tensors(False) if t.dim() == 4]
+                        for c in caches]
+    assert attention_shaped == [[(2, 4, 6, 8)]] * 2  # one attention output per layer
+    loss.backward()
+    reference(x).backward()
+    assert_bitwise(grads(model), grads(reference))
+
+
 def test_policy_fn_without_a_taker_is_refused():
     with pytest.raises(ValueError, match="no layer of the plan is 'swap'"):
         apply_activation_memory(Stack(layers=2), "checkpoint", policy_fn=lambda t: None)
