@@ -5,11 +5,13 @@ wrappers: ``checkpoint_wrapper`` (full, or with an op policy) and ``swap_wrapper
 layers go into one prefetch chain (``SwapManager().set_forward_prefetch_layer``) in
 forward order whenever any of them swaps. What was applied is kept on the model (outside
 its parameters, buffers and state dict), so that applying again replaces it and removing
-it gives back the original modules, chain links and ``use_cache`` setting.
+it gives back the original modules and chain links. On a ``transformers`` model a plan adds
+forward pre-hooks (training forwards run without a KV cache) and never edits the config.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -115,7 +117,9 @@ class ActivationMemoryReport:
     Attributes:
         layers: one entry per layer, in forward order.
         chained: whether the layers were registered as one prefetch chain.
-        use_cache_disabled: whether ``config.use_cache`` was turned off.
+        use_cache_disabled: whether training forwards run without a KV cache (a
+            ``transformers`` model under a plan that changes activation memory; forward
+            pre-hooks pass ``use_cache=False``, ``config.use_cache`` is left as it is).
     """
 
     layers: tuple[LayerEntry, ...]
@@ -146,8 +150,8 @@ class ActivationMemoryReport:
                  if self.chained else "no prefetch chain (no layer swaps)")
         lines.append(f"{summary}; {chain}")
         if self.use_cache_disabled:
-            lines.append("config.use_cache turned off (recompute would append to the KV cache "
-                         "twice)")
+            lines.append("no KV cache in training forwards (use_cache=False passed; "
+                         "config.use_cache left as it is)")
         return "\n".join(lines)
 
 
@@ -158,12 +162,11 @@ class _Applied:
     slots: list[LayerSlot]
     originals: list[nn.Module]
     chained: list[nn.Module]          # the objects registered in the chain, in order
-    use_cache: list[Any]              # configs whose use_cache was turned off
     report: ActivationMemoryReport
     options: dict                     # policy_fn, swap_inputs, group_swap of the call
     engine: tuple[int | None, int | None] = (None, None)  # (prefetch depth, offload
     # window) in place before the plan set them; None: the plan left that setting alone
-    cache_hooks: list = field(default_factory=list)  # the use_cache pre-hooks' handles
+    cache_hooks: list = field(default_factory=list)  # the training-forward guards' handles
 
 
 _STATE = "_hp_activation_memory"
@@ -256,38 +259,124 @@ def _split_policy(policy_fn, strategies: list[str]):
 
 
 # ---------------------------------------------------------------------------- HF models
-def _configs(model: nn.Module) -> list[Any]:
-    """The distinct ``config`` objects of a transformers model's modules."""
-    seen: dict[int, Any] = {}
-    for m in model.modules():
-        config = m.__dict__.get("config")
-        if config is not None and hasattr(config, "use_cache"):
-            seen.setdefault(id(config), config)
-    return list(seen.values())
+#: The names transformers gives a forward's KV cache argument (``cache`` since 5.x,
+#: ``past_key_values`` before, ``layer_past`` in older GPT-2 style blocks).
+_CACHE_ARGS = ("cache", "past_key_values", "layer_past")
 
 
-def _config_owners(model: nn.Module) -> list[nn.Module]:
-    """The modules of a transformers model that hold a ``config`` with ``use_cache``."""
-    return [m for m in model.modules()
-            if hasattr(m.__dict__.get("config"), "use_cache")]
-
-
-def _no_cache_in_training(module, args, kwargs):
-    """Forward pre-hook of a recomputing plan on a transformers model: an explicit
-    ``use_cache=True`` in a training forward (training mode, grad on) becomes False, as
-    transformers' own gradient checkpointing does: the recompute in backward would append
-    the layer's keys and values to the KV cache a second time (a cache twice as long, or a
-    shape error under an attention mask). Eval and no-grad forwards keep it."""
-    if kwargs.get("use_cache") and module.training and torch.is_grad_enabled():
-        _warn_once("use_cache_arg", (
-            f"hyper_parallel: use_cache=True passed to a training forward of "
-            f"{type(module).__name__} is ignored (set to False): its layers are recomputed in "
-            "backward, which would append their keys and values to the KV cache again. Use "
-            "the cache in eval mode or under torch.no_grad()."))
-        kwargs = dict(kwargs)
-        kwargs["use_cache"] = False
-        return args, kwargs
+def _positional_index(module: nn.Module, name: str) -> int | None:
+    """Where ``name`` sits among ``module.forward``'s positional arguments (``self``
+    excluded), or ``None`` when it cannot be passed positionally or is not there."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for i, p in enumerate(params):
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            return None
+        if p.name == name:
+            return i if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else None
     return None
+
+
+def _takes_use_cache(module: nn.Module) -> bool:
+    try:
+        return "use_cache" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _argument(args: tuple, kwargs: dict, name: str, index: int | None):
+    if name in kwargs:
+        return kwargs[name]
+    if index is not None and index < len(args):
+        return args[index]
+    return None
+
+
+class _TrainingForwardGuard:
+    """Forward pre-hook of an applied plan on a transformers module whose forward takes
+    ``use_cache`` (the model and its base model, not the modules inside the layers). In a
+    training forward (training mode, grad on) it
+
+    * refuses Hugging Face gradient checkpointing turned on after the plan was applied
+      (transformers would then recompute the layers inside hyper_parallel's wrappers);
+    * under a plan that recomputes, refuses a KV cache passed in (the recompute would
+      append each layer's keys and values to it a second time);
+    * passes ``use_cache=False``, as transformers' own gradient checkpointing does: the
+      cache would hold every layer's keys and values on the device beside the plan (and a
+      recomputed layer would append them twice). An explicit ``use_cache=True`` is warned
+      about once. ``config.use_cache`` itself is never edited.
+
+    Eval and no-grad forwards are left alone (they keep the cache)."""
+
+    def __init__(self, model: nn.Module, module: nn.Module, recomputing: list[str],
+                 hf_flags: list[tuple[str, nn.Module]]):
+        self.model_name = type(model).__name__
+        self.recomputing = recomputing          # names of the layers that recompute
+        self.hf_flags = hf_flags                # (name, module) with a gradient_checkpointing flag
+        self.use_cache_index = _positional_index(module, "use_cache")
+        self.cache_indices = {n: _positional_index(module, n) for n in _CACHE_ARGS}
+
+    def __call__(self, module, args, kwargs):
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        on = [name for name, m in self.hf_flags if m.__dict__.get("gradient_checkpointing") is True]
+        if on:
+            raise ValueError(
+                f"hyper_parallel: Hugging Face gradient checkpointing was turned on in "
+                f"{self.model_name} (in {on[0]}{' and others' if len(on) > 1 else ''}) after "
+                "apply_activation_memory: transformers would recompute the layers inside "
+                "hyper_parallel's wrappers (a 'swap' layer would silently recompute). Call "
+                "model.gradient_checkpointing_disable() to keep the plan, or "
+                "remove_activation_memory(model) before enabling it.")
+        if self.recomputing:
+            for name, index in self.cache_indices.items():
+                if _argument(args, kwargs, name, index) is not None:
+                    raise ValueError(
+                        f"hyper_parallel: a KV cache ({name}=) was passed to a training forward "
+                        f"of {type(module).__name__} under a plan that recomputes layers "
+                        f"({self.recomputing[0]}{' and others' if len(self.recomputing) > 1 else ''}"
+                        "): the recompute in backward would append each layer's keys and values "
+                        "to the cache a second time, which is not supported. Pass no cache to "
+                        "training forwards (feed the prefix's tokens in the same forward), run "
+                        "the cached forward under torch.no_grad() or in eval mode, or use a plan "
+                        "whose layers do not recompute ('swap').")
+        value = _argument(args, kwargs, "use_cache", self.use_cache_index)
+        if value is False:
+            return None
+        if value:
+            _warn_once("use_cache_arg", (
+                f"hyper_parallel: use_cache=True passed to a training forward of "
+                f"{type(module).__name__} is ignored (set to False), as transformers' gradient "
+                "checkpointing does: under an activation-memory plan the KV cache would keep "
+                "every layer's keys and values on the device beside the plan (and a recomputed "
+                "layer would append them a second time). Use the cache in eval mode or under "
+                "torch.no_grad()."))
+        if "use_cache" not in kwargs and self.use_cache_index is not None \
+                and self.use_cache_index < len(args):
+            args = args[:self.use_cache_index] + (False,) + args[self.use_cache_index + 1:]
+        else:
+            kwargs = dict(kwargs)
+            kwargs["use_cache"] = False
+        return args, kwargs
+
+
+def _install_guards(model: nn.Module, slots: list[LayerSlot], strategies: list[str]) -> list:
+    """The forward pre-hooks of :class:`_TrainingForwardGuard` on ``model``'s modules
+    outside the layers that hold a config with ``use_cache`` and whose forward takes it."""
+    inside = {id(m) for s in slots for m in s.current.modules()}
+    recomputing = [s.name for s, st in zip(slots, strategies) if STRATEGIES[st].recomputes]
+    hf_flags = [(name, m) for name, m in model.named_modules()
+                if hasattr(m, "gradient_checkpointing")]
+    handles = []
+    for m in model.modules():
+        if id(m) in inside or not hasattr(m.__dict__.get("config"), "use_cache") \
+                or not _takes_use_cache(m):
+            continue
+        guard = _TrainingForwardGuard(model, m, recomputing, hf_flags)
+        handles.append(m.register_forward_pre_hook(guard, with_kwargs=True))
+    return handles
 
 
 def _is_transformers_model(model: nn.Module) -> bool:
@@ -383,13 +472,20 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
             shape.
 
     Notes:
-        On a ``transformers`` model, a plan that recomputes turns ``config.use_cache``
-        off (with a warning, once): recomputing a layer would append its keys and values
-        to the KV cache a second time. An explicit ``use_cache=True`` passed to a training
-        forward (training mode, grad on) is turned off too (warned once; a forward
-        pre-hook on each module that holds a config), as transformers' own gradient
-        checkpointing does; eval and no-grad forwards keep the cache.
-        :func:`remove_activation_memory` restores the config and removes the hooks.
+        On a ``transformers`` model, any plan that changes a layer adds a forward pre-hook
+        to the model (and its base model) so that a training forward (training mode, grad
+        on) runs without a KV cache, as transformers' own gradient checkpointing does: it
+        passes ``use_cache=False`` (an explicit ``use_cache=True`` is warned about once).
+        Without it the cache would hold every layer's keys and values on the device beside
+        the plan, and a recomputed layer would append them a second time. Eval and no-grad
+        forwards keep the cache. ``config.use_cache`` is never edited (``save_pretrained``
+        writes the config as it was). The same hook raises ``ValueError`` at a training
+        forward when Hugging Face gradient checkpointing was turned on after the plan was
+        applied (``model.gradient_checkpointing_disable()``, or remove the plan first), and
+        when a KV cache (``cache=``/``past_key_values=``) is passed to a training forward
+        under a plan that recomputes (the recompute would append to it twice; pass no
+        cache, or use a plan without recompute). :func:`remove_activation_memory` removes
+        the hooks.
         Validation happens before the model is touched: an error leaves it as it was.
     """
     if not isinstance(model, nn.Module):
@@ -428,7 +524,6 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     originals = [s.layer for s in slots]
     done: list[int] = []
     chain: list[nn.Module] = []
-    configs: list[Any] = []
     cache_hooks: list = []
     try:
         for i, (slot, strategy) in enumerate(zip(slots, strategies)):
@@ -444,31 +539,21 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
             manager = SwapManager()
             for a, b in zip(chain, chain[1:]):
                 manager.set_forward_prefetch_layer(a, b)
-        if any(STRATEGIES[s].recomputes for s in strategies) and _is_transformers_model(model):
-            configs = [c for c in _configs(model) if c.use_cache]
-            for c in configs:
-                c.use_cache = False
-            cache_hooks = [m.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
-                           for m in _config_owners(model)]
-            if configs:
-                _warn_once("use_cache", (
-                    f"hyper_parallel: turned config.use_cache off on {type(model).__name__}: "
-                    "recomputing a layer in backward would append its keys and values to the "
-                    "KV cache a second time. remove_activation_memory(model) turns it back "
-                    "on."))
+        if any(s != "none" for s in strategies) and _is_transformers_model(model):
+            cache_hooks = _install_guards(model, slots, strategies)
     except BaseException:
         for handle in cache_hooks:
             handle.remove()
-        _undo(slots, originals, chain, configs)
+        _undo(slots, originals, chain)
         _restore_engine(engine)
         raise
     wrappers = {i: slots[i].current for i in done}
     report = ActivationMemoryReport(
         layers=tuple(LayerEntry(s.name, st, type(wrappers[i]).__name__ if i in wrappers else "-")
                      for i, (s, st) in enumerate(zip(slots, strategies))),
-        chained=bool(chain), use_cache_disabled=bool(configs))
+        chained=bool(chain), use_cache_disabled=bool(cache_hooks))
     unwrapped(model).__dict__[_STATE] = _Applied(
-        slots, originals, chain, configs, report,
+        slots, originals, chain, report,
         {"policy_fn": policy_fn, "swap_inputs": swap_inputs, "group_swap": group_swap}, engine,
         cache_hooks)
     return report
@@ -517,8 +602,7 @@ def _wrap(layer: nn.Module, strategy: str, op_policy, tensor_policy, swap_inputs
                               group_swap=group_swap)
 
 
-def _undo(slots: list[LayerSlot], originals: list[nn.Module], chain: list[nn.Module],
-          configs: list[Any]) -> None:
+def _undo(slots: list[LayerSlot], originals: list[nn.Module], chain: list[nn.Module]) -> None:
     manager = SwapManager()
     for obj in chain:
         manager.unregister(obj)
@@ -528,14 +612,13 @@ def _undo(slots: list[LayerSlot], originals: list[nn.Module], chain: list[nn.Mod
                 and unwrapped(current) is original:
             slot.parent._modules[slot.key] = original
             current._hp_release()
-    for c in configs:
-        c.use_cache = True
 
 
 def remove_activation_memory(model: nn.Module) -> bool:
     """Undoes :func:`apply_activation_memory` on ``model``: puts the original modules
     back in their places, unregisters the prefetch chain (the layers and every module
-    inside them leave the swap schedule), restores ``config.use_cache`` and, where the
+    inside them leave the swap schedule), removes the forward pre-hooks it added to a
+    ``transformers`` model and, where the
     applied plan set them, the prefetch depth and offload window that were in place
     before it (so a later plain apply runs with those).
 
@@ -547,7 +630,7 @@ def remove_activation_memory(model: nn.Module) -> bool:
         return False
     for handle in state.cache_hooks:
         handle.remove()
-    _undo(state.slots, state.originals, state.chained, state.use_cache)
+    _undo(state.slots, state.originals, state.chained)
     _restore_engine(state.engine)
     return True
 

@@ -118,23 +118,20 @@ def test_find_layers_names_the_decoder_blocks(arch, built):
 @pytest.mark.parametrize("arch", list(MODELS))
 def test_every_strategy_bitwise_for_three_steps(arch, built, host_swap):
     data = batches()
-    # Recompute plans turn use_cache off, swap keeps it: each is compared with the plain
-    # model under the same setting (with the cache on, attention reads keys and values
-    # through the cache's concatenation, which can change the last bits).
-    refs = {}
-    for use_cache in {built[arch].config.use_cache, False}:
-        plain = copy.deepcopy(built[arch])
-        plain.config.use_cache = use_cache
-        refs[use_cache] = train(plain, data)
+    # Every plan trains without a KV cache (config.use_cache left as it is): each is
+    # compared with the plain model under use_cache=False (with the cache on, attention
+    # reads keys and values through the cache's concatenation, which can change the last
+    # bits).
+    plain = copy.deepcopy(built[arch])
+    plain.config.use_cache = False
+    ref_losses, ref_grads = train(plain, data)
     keys = list(built[arch].state_dict())
     for plan in PLANS:
-        ref_losses, ref_grads = refs[False if STRATEGIES[plan].recomputes
-                                     else built[arch].config.use_cache]
         model = copy.deepcopy(built[arch])
         originals = [model.get_submodule(n) for n in find_layers(model)]
         SwapManager().reset_stats()
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "hyper_parallel: turned config.use_cache off")
+            warnings.simplefilter("error")  # the config default asks for nothing: no warning
             report = apply_activation_memory(model, plan)
         assert [e.name for e in report] == find_layers(model)
         assert list(model.state_dict()) == keys
@@ -149,26 +146,23 @@ def test_every_strategy_bitwise_for_three_steps(arch, built, host_swap):
             assert stats["reload_bytes"] == stats["offload_bytes"]
         assert remove_activation_memory(model)
         assert [model.get_submodule(n) for n in find_layers(model)] == originals
-        if STRATEGIES[plan].recomputes:
-            assert model.config.use_cache == built[arch].config.use_cache  # restored
+        assert model.config.use_cache == built[arch].config.use_cache  # never edited
 
 
-def test_use_cache_turned_off_with_one_warning(built):
+def test_the_config_is_never_edited(built):
     model = copy.deepcopy(built["mistral"])
     assert model.config.use_cache is True
-    with pytest.warns(UserWarning, match="turned config.use_cache off on MistralForCausalLM"):
-        report = apply_activation_memory(model, "checkpoint")
-    assert model.config.use_cache is False and report.use_cache_disabled
-    assert "use_cache turned off" in str(report)
+    before = model.config.to_dict()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once: applying again says nothing
-        apply_activation_memory(model, "selective")
-    assert model.config.use_cache is False
-    # Swap alone recomputes nothing: the cache setting is left alone.
-    apply_activation_memory(model, "swap")
-    assert model.config.use_cache is True
+        warnings.simplefilter("error")  # nothing to warn about: the config is left alone
+        report = apply_activation_memory(model, "checkpoint")
+        assert report.use_cache_disabled
+        assert "no KV cache in training forwards" in str(report)
+        apply_activation_memory(model, "swap")
+    assert model.config.to_dict() == before
+    assert not apply_activation_memory(model, "none").use_cache_disabled  # nothing changed
     remove_activation_memory(model)
-    assert model.config.use_cache is True
+    assert model.config.to_dict() == before
 
 
 def test_mistral_default_config_recompute_trains(built):
@@ -233,3 +227,156 @@ def test_explicit_use_cache_in_a_training_forward_is_turned_off(attn):
     assert cached.past_key_values.get_seq_length() == 10
     assert remove_activation_memory(model)
     assert not model._forward_pre_hooks and not model.model._forward_pre_hooks
+
+
+def tiny_llama(layers=4, device="cpu", **config):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, **config))
+    return model.to(device).train()
+
+
+class _PlannerLikePlan:
+    """A planner's plan (LayerPlan protocol) that mixes swap and recompute."""
+
+    def __init__(self, n):
+        self.strategies = {f"model.layers.{i}": ("swap", "checkpoint", "selective_swap")[i % 3]
+                           for i in range(n)}
+
+
+def _step_stats(model, ids, **kwargs):
+    SwapManager().reset_stats()
+    out = model(input_ids=ids, labels=ids, **kwargs)
+    out.loss.backward()
+    SwapManager().synchronize()
+    stats = SwapManager().stats()
+    grads = [p.grad.detach().cpu() for p in model.parameters()]
+    return out, (stats["offload_bytes"], stats["reload_bytes"], stats["skipped"]), grads
+
+
+@pytest.mark.parametrize("plan", ["swap", "selective_swap", "planner"])
+def test_swap_plans_train_without_a_kv_cache(plan, dev):
+    # Swap plans used to leave use_cache on: a training forward built a KV cache holding
+    # every layer's keys and values (counted as offloaded: on hpsim with 6 Llama layers
+    # 5.68 MB saved against 4.24 MB with use_cache=False). Now every plan trains without
+    # one: the bytes the engine moves and skips are those of the use_cache=False model, the
+    # gradients bitwise those of the plain model with use_cache=False.
+    ids = torch.randint(0, VOCAB, (2, 12)).to(dev)
+    ref = tiny_llama(6, dev, use_cache=False)
+    _, _, ref_grads = _step_stats(ref, ids)
+    runs = {}
+    for use_cache in (True, False):
+        model = tiny_llama(6, dev, use_cache=use_cache)
+        apply_activation_memory(model, _PlannerLikePlan(6) if plan == "planner" else plan)
+        out, stats, grads = _step_stats(model, ids)
+        assert out.cache is None and stats[0] > 0
+        for a, b in zip(grads, ref_grads):
+            assert torch.equal(a, b), (plan, use_cache)
+        runs[use_cache] = stats
+        assert model.config.use_cache is use_cache
+    assert runs[True] == runs[False]
+    # An explicit use_cache=True in a training forward is turned off too, warned once.
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match="hyper_parallel: use_cache=True passed to a training"):
+        out, stats, grads = _step_stats(model, ids, use_cache=True)
+    assert out.cache is None and stats == runs[False]
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    # Eval and no-grad forwards keep the cache.
+    model.eval()
+    with torch.no_grad():
+        assert model(input_ids=ids).cache is None  # this config says no cache
+        assert model(input_ids=ids, use_cache=True).cache.get_seq_length() == 12
+
+
+def test_use_cache_passed_positionally_is_turned_off(host_swap):
+    model = tiny_llama(2)
+    apply_activation_memory(model, "swap")
+    ids = torch.randint(0, VOCAB, (2, 8))
+    # LlamaForCausalLM.forward(input_ids, attention_mask, position_ids, cache,
+    # inputs_embeds, labels, use_cache)
+    with pytest.warns(UserWarning, match="hyper_parallel: use_cache=True passed"):
+        out = model(ids, None, None, None, None, ids, True)
+    assert out.cache is None
+
+
+def test_save_pretrained_writes_the_config_as_it_was(tmp_path):
+    import json
+
+    model = tiny_llama(2)
+    assert model.config.use_cache is True
+    model.save_pretrained(tmp_path / "before")
+    before = model.config.to_dict()
+    apply_activation_memory(model, "checkpoint")
+    ids = torch.randint(0, VOCAB, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    model.save_pretrained(tmp_path / "after")
+    saved = [json.loads((tmp_path / d / "config.json").read_text()) for d in ("before", "after")]
+    assert saved[0] == saved[1] and saved[1]["use_cache"] is True
+    assert remove_activation_memory(model)
+    assert model.config.to_dict() == before
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_:FutureWarning")
+@pytest.mark.parametrize("plan", ["swap", "checkpoint"])
+def test_hf_gradient_checkpointing_enabled_after_apply_is_refused(plan, host_swap):
+    # Enabled after the plan, transformers checkpointed the layers inside hyper_parallel's
+    # wrappers: a swap plan silently became recompute. The next training forward refuses,
+    # as apply does when it is on before (before anything runs: no state is touched).
+    ref = tiny_llama(3, use_cache=False)
+    model = copy.deepcopy(ref)
+    apply_activation_memory(model, plan)
+    model.gradient_checkpointing_enable()
+    ids = torch.randint(0, VOCAB, (2, 8))
+    SwapManager().reset_stats()
+    with pytest.raises(ValueError, match=r"^hyper_parallel: Hugging Face gradient checkpointing "
+                       r"was turned on in LlamaForCausalLM .* after apply_activation_memory.*"
+                       r"model.gradient_checkpointing_disable\(\)"):
+        model(input_ids=ids, labels=ids)
+    assert SwapManager().stats()["offload_count"] == 0
+    with torch.no_grad():  # no backward, nothing recomputed: allowed
+        model(input_ids=ids)
+    model.gradient_checkpointing_disable()
+    model(input_ids=ids, labels=ids).loss.backward()
+    ref(input_ids=ids, labels=ids).loss.backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(ref.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("plan", ["checkpoint", "selective", "mixed", "checkpoint_swap"])
+@pytest.mark.parametrize("by", ["past_key_values", "cache", "positional"])
+def test_a_kv_cache_in_a_training_forward_of_a_recomputing_plan_is_refused(plan, by,
+                                                                           host_swap):
+    # A no-grad prefix forward, then a training forward that continues from its cache:
+    # the recompute would append to the cache a second time (transformers crashed with a
+    # shape error). Refused with what to do, before the cache is touched.
+    model = tiny_llama(3)
+    apply_activation_memory(model, plan)
+    ids = torch.randint(0, VOCAB, (2, 10))
+    with torch.no_grad():
+        prefix = model(input_ids=ids[:, :6], use_cache=True).cache
+    tail = ids[:, 6:]
+    with pytest.raises(ValueError, match=r"^hyper_parallel: a KV cache \((cache|past_key_values)"
+                       r"=\) was passed to a training forward of LlamaForCausalLM under a plan "
+                       r"that recomputes layers.*Pass no cache to training forwards"):
+        if by == "positional":
+            model(tail, None, None, prefix, None, tail)
+        else:
+            model(input_ids=tail, labels=tail, **{by: prefix})
+    assert prefix.get_seq_length() == 6
+
+
+def test_a_kv_cache_in_a_training_forward_of_a_swap_plan_trains(host_swap):
+    # Without recompute the cache is read and extended once: gradients are bitwise those
+    # of the plain model continuing from the same prefix.
+    ref = tiny_llama(3)
+    model = copy.deepcopy(ref)
+    apply_activation_memory(model, "swap")
+    ids = torch.randint(0, VOCAB, (2, 10))
+    grads = []
+    for m in (ref, model):
+        with torch.no_grad():
+            prefix = m(input_ids=ids[:, :6], use_cache=True).cache
+        m(input_ids=ids[:, 6:], labels=ids[:, 6:], cache=prefix).loss.backward()
+        assert prefix.get_seq_length() == 10
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
