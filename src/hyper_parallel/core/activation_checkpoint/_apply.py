@@ -321,7 +321,8 @@ class _TrainingForwardGuard:
     def __call__(self, module, args, kwargs):
         if not (module.training and torch.is_grad_enabled()):
             return None
-        on = [name for name, m in self.hf_flags if m.__dict__.get("gradient_checkpointing") is True]
+        on = [name for name, m in self.hf_flags
+              if m.__dict__.get("gradient_checkpointing") is True]
         if on:
             raise ValueError(
                 f"hyper_parallel: Hugging Face gradient checkpointing was turned on in "
@@ -333,11 +334,11 @@ class _TrainingForwardGuard:
         if self.recomputing:
             for name, index in self.cache_indices.items():
                 if _argument(args, kwargs, name, index) is not None:
+                    more = " and others" if len(self.recomputing) > 1 else ""
                     raise ValueError(
                         f"hyper_parallel: a KV cache ({name}=) was passed to a training forward "
                         f"of {type(module).__name__} under a plan that recomputes layers "
-                        f"({self.recomputing[0]}{' and others' if len(self.recomputing) > 1 else ''}"
-                        "): the recompute in backward would append each layer's keys and values "
+                        f"({self.recomputing[0]}{more}): the recompute in backward would append each layer's keys and values "
                         "to the cache a second time, which is not supported. Pass no cache to "
                         "training forwards (feed the prefix's tokens in the same forward), run "
                         "the cached forward under torch.no_grad() or in eval mode, or use a plan "
@@ -468,6 +469,9 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
             found (pass ``layers=``), two dict keys naming one layer (e.g. ``-1`` and
             ``2`` of 3 layers), or a ``transformers`` model with its own gradient
             checkpointing on (call ``model.gradient_checkpointing_disable()`` first).
+            Later, from a training forward of a ``transformers`` model (before it runs):
+            Hugging Face gradient checkpointing turned on after apply, or a KV cache
+            passed under a plan that recomputes (see Notes).
         TypeError: for a plan, ``layers`` or ``policy_fn`` of the wrong kind or call
             shape.
 

@@ -4,8 +4,11 @@ Five architectures: Llama, Qwen2, GPT-2 (dropout on, blocks in ``transformer.h``
 Mistral with its default flags (``use_cache`` on, a sliding window shorter than the
 sequence) and Mixtral (mixture of experts). For each: ``find_layers`` names the decoder
 blocks; every strategy trains 3 steps with losses and gradients bitwise equal to the
-plain model; ``remove_activation_memory`` gives back the original modules. Sizes are
-tiny (hidden 16, 3 layers, 12 tokens) so the whole file runs in seconds.
+plain model; ``remove_activation_memory`` gives back the original modules. Then the KV
+cache in training (every plan trains without one, the config is never edited, a cache
+passed to a recomputing plan is refused) and Hugging Face gradient checkpointing turned
+on after apply (refused). Sizes are tiny (hidden 16 to 32, 2 to 6 layers, 8 to 12
+tokens) so the whole file runs in seconds.
 """
 
 import copy
