@@ -338,8 +338,9 @@ class _TrainingForwardGuard:
                     raise ValueError(
                         f"hyper_parallel: a KV cache ({name}=) was passed to a training forward "
                         f"of {type(module).__name__} under a plan that recomputes layers "
-                        f"({self.recomputing[0]}{more}): the recompute in backward would append each layer's keys and values "
-                        "to the cache a second time, which is not supported. Pass no cache to "
+                        f"({self.recomputing[0]}{more}): the recompute in backward would "
+                        "append each layer's keys and values to the cache a second time, "
+                        "which is not supported. Pass no cache to "
                         "training forwards (feed the prefix's tokens in the same forward), run "
                         "the cached forward under torch.no_grad() or in eval mode, or use a plan "
                         "whose layers do not recompute ('swap').")
