@@ -22,6 +22,7 @@ from torch import nn
 from ._checkpoint import checkpoint_wrapper
 from ._layers import LayerSlot, resolve_layer_slots, unwrapped
 from ._policy import CheckpointPolicy
+from ._errors import check_flag
 from ._policy_signature import check_swap_policy, is_per_tensor_policy
 from ._selective import compile_policy
 from ._swap_manager import SwapManager
@@ -395,6 +396,8 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     if not isinstance(model, nn.Module):
         raise TypeError(f"hyper_parallel: apply_activation_memory expects an nn.Module, got "
                         f"{type(model).__name__}")
+    check_flag("apply_activation_memory", "swap_inputs", swap_inputs)
+    check_flag("apply_activation_memory", "group_swap", group_swap)
     slots = resolve_layer_slots(model, layers)
     strategies = _plan_strategies(plan, slots)
     op_policy, tensor_policy = _split_policy(policy_fn, strategies)
