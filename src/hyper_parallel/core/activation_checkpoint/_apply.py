@@ -641,8 +641,9 @@ def remove_activation_memory(model: nn.Module) -> bool:
     inside them leave the swap schedule), restores ``config.use_cache`` and, where the
     applied plan set them, the prefetch depth and offload window that were in place
     before it (so a later plain apply runs with those). Forward/backward hooks you
-    registered on a wrapper move to the layer it wrapped (see ``_take_hooks``: a warning
-    when the layer has hooks of its own, whose handles keep working).
+    registered on a wrapper move to the layer it wrapped, and their handles still remove
+    them; when the layer has hooks of its own they are merged in run order and a warning
+    says the wrapper's handles no longer remove them.
 
     Returns:
         ``True`` when something was removed, ``False`` when ``model`` had no plan applied.
