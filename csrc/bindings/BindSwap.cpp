@@ -278,7 +278,7 @@ void exclude_one(SwapGroup& g, const py::handle& obj) {
   if (!THPVariable_Check(obj.ptr())) return;
   // A DTensor parameter's data is its local tensor's storage.
   at::Tensor t = is_dtensor(obj) ? dtensor_local(obj) : THPVariable_Unpack(obj.ptr());
-  if (t.defined() && t.has_storage()) g.excluded.insert(t.storage().unsafeGetStorageImpl());
+  if (has_plain_storage(t)) g.excluded.insert(t.storage().unsafeGetStorageImpl());
 }
 
 // The attribute names nn.Module keeps its state under, interned once (leaked on purpose:

@@ -40,6 +40,59 @@ std::optional<SkipReason> skip_reason(Ineligible reason) {
   return std::nullopt;
 }
 
+namespace {
+
+// Whether t.storage() returns instead of throwing (wrapper tensors set their storage access
+// to throw; TensorImpl has no public query for that flag).
+bool storage_readable(const at::Tensor& t) {
+  try {
+    (void)t.storage();
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
+size_t storage_bytes(const at::Tensor& part) {
+  if (!part.defined() || !part.has_storage() || !storage_readable(part)) return 0;
+  return part.storage().nbytes();
+}
+
+}  // namespace
+
+bool has_plain_storage(const at::Tensor& t) {
+  return t.defined() && t.layout() == c10::kStrided && !t.is_nested() && t.has_storage() &&
+         storage_readable(t);
+}
+
+SkipFootprint skip_footprint(const at::Tensor& t) {
+  SkipFootprint f;
+  if (!t.defined()) return f;
+  const c10::Layout layout = t.layout();
+  if (has_plain_storage(t)) {
+    f.key = t.storage().unsafeGetStorageImpl();
+    f.nbytes = t.storage().nbytes();
+    return f;
+  }
+  f.key = t.unsafeGetTensorImpl();
+  try {
+    if (layout == c10::kSparse) {
+      f.nbytes = storage_bytes(t._indices()) + storage_bytes(t._values());
+    } else if (layout == c10::kSparseCsr || layout == c10::kSparseBsr) {
+      f.nbytes = storage_bytes(t.crow_indices()) + storage_bytes(t.col_indices()) +
+                 storage_bytes(t.values());
+    } else if (layout == c10::kSparseCsc || layout == c10::kSparseBsc) {
+      f.nbytes = storage_bytes(t.ccol_indices()) + storage_bytes(t.row_indices()) +
+                 storage_bytes(t.values());
+    } else if (layout == c10::kMkldnn) {
+      f.nbytes = static_cast<size_t>(t.numel()) * t.element_size();
+    }
+  } catch (const c10::Error&) {
+    f.nbytes = 0;  // a layout whose parts cannot be read: counted, without bytes
+  }
+  return f;
+}
+
 Ineligible check_eligible(const at::Tensor& t, bool cpu_swap) {
   if (!t.defined()) return Ineligible::kUndefined;
   const auto keys = t.key_set();
@@ -48,7 +101,7 @@ Ineligible check_eligible(const at::Tensor& t, bool cpu_swap) {
     return Ineligible::kSubclassOrFunctional;
   }
   if (t.is_meta()) return Ineligible::kMetaOrFake;
-  if (t.layout() != c10::kStrided || !t.has_storage()) return Ineligible::kNoStorage;
+  if (!has_plain_storage(t)) return Ineligible::kNoStorage;
   const c10::Device device = t.device();
   if (device.is_cpu()) {
     if (!cpu_swap) return Ineligible::kHostTensor;

@@ -1,5 +1,7 @@
 #include "hyper_parallel/activation/SavedBytesMeter.h"
 
+#include "hyper_parallel/activation/Eligibility.h"
+
 #include <c10/core/Storage.h>
 
 namespace hyper_parallel::activation {
@@ -14,7 +16,7 @@ void SavedBytesMeter::set_active(SavedBytesMeter* meter) {
 }
 
 void SavedBytesMeter::observe(const at::Tensor& t) {
-  if (!t.defined() || !t.has_storage() || t.is_meta()) return;
+  if (!has_plain_storage(t) || t.is_meta()) return;
   if (t.requires_grad() && t.is_leaf()) return;  // a parameter
   if (t.is_view()) {
     const at::TensorBase& base = t._base();

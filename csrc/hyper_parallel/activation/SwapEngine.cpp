@@ -383,8 +383,8 @@ std::shared_ptr<SavedHandle> SwapEngine::pack(const std::shared_ptr<SwapGroup>& 
     if (why != Ineligible::kNone) {
       const auto reason = skip_reason(why);
       if (counts && reason) {
-        count_skipped_locked(group.get(), t.storage().unsafeGetStorageImpl(),
-                             t.storage().nbytes(), *reason);
+        const SkipFootprint f = skip_footprint(t);
+        count_skipped_locked(group.get(), f.key, f.nbytes, *reason);
       }
       return nullptr;
     }
@@ -413,8 +413,8 @@ bool SwapEngine::register_tensor(const std::shared_ptr<SwapGroup>& group, const 
   const Ineligible why = check_eligible(t, options_.cpu_swap);
   if (why != Ineligible::kNone) {
     if (const auto reason = skip_reason(why)) {
-      count_skipped_locked(group.get(), t.storage().unsafeGetStorageImpl(), t.storage().nbytes(),
-                           *reason);
+      const SkipFootprint f = skip_footprint(t);
+      count_skipped_locked(group.get(), f.key, f.nbytes, *reason);
     }
     return false;
   }
@@ -434,13 +434,13 @@ bool SwapEngine::register_tensor(const std::shared_ptr<SwapGroup>& group, const 
 
 void SwapEngine::count_skipped(const std::shared_ptr<SwapGroup>& group, const at::Tensor& t,
                                SkipReason reason) {
-  if (!t.defined() || !t.has_storage()) return;
+  if (!t.defined()) return;
+  const SkipFootprint f = skip_footprint(t);
   std::lock_guard<std::mutex> lock(mu_);
-  count_skipped_locked(group.get(), t.storage().unsafeGetStorageImpl(), t.storage().nbytes(),
-                       reason);
+  count_skipped_locked(group.get(), f.key, f.nbytes, reason);
 }
 
-void SwapEngine::count_skipped_locked(SwapGroup* group, const c10::StorageImpl* key,
+void SwapEngine::count_skipped_locked(SwapGroup* group, const void* key,
                                       size_t nbytes, SkipReason reason) {
   if (group != nullptr) {
     if (!group->skipped_keys.insert(key).second) return;  // this storage was counted already
@@ -1056,7 +1056,7 @@ void SwapEngine::synchronize() {
 }
 
 const char* SwapEngine::residency_of(const at::Tensor& t) const {
-  if (!t.defined() || !t.has_storage()) return nullptr;
+  if (!has_plain_storage(t)) return nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   auto record = registry_.find(t.storage().unsafeGetStorageImpl());
   return record ? to_string(record->state()) : nullptr;

@@ -206,7 +206,7 @@ class SwapEngine {
   bool in_use_elsewhere(const StorageRecord& record, const c10::Storage& storage) const;
   // Internal error unless the alias's storage is resident (SPEC 4.2).
   void check_resident(const StorageRecord& record, const at::Tensor& alias) const;
-  void count_skipped_locked(SwapGroup* group, const c10::StorageImpl* key, size_t nbytes,
+  void count_skipped_locked(SwapGroup* group, const void* key, size_t nbytes,
                             SkipReason reason);
   // At the start of `group`'s backward: counts its records still on device (kept because
   // still referenced elsewhere, or because it is the last layer of a chain).

@@ -63,7 +63,7 @@ class SwapGroup {
   // each storage once). `skipped_keys` dedupes.
   std::array<int64_t, kNumSkipReasons> skipped_bytes{};
   std::array<int64_t, kNumSkipReasons> skipped_count{};
-  std::unordered_set<const c10::StorageImpl*> skipped_keys;
+  std::unordered_set<const void*> skipped_keys;  // a storage, or a tensor without one
 
   bool forward_done = false;
   bool released = false;    // this invocation allows its records to leave the device

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import inspect
 import sys
+import weakref
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -24,6 +26,7 @@ from torch import nn
 from ._checkpoint import checkpoint_wrapper
 from ._layers import LayerSlot, resolve_layer_slots, unwrapped
 from ._policy import CheckpointPolicy
+from ._errors import check_flag
 from ._policy_signature import check_swap_policy, is_per_tensor_policy
 from ._selective import compile_policy
 from ._swap_manager import SwapManager
@@ -496,6 +499,8 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     if not isinstance(model, nn.Module):
         raise TypeError(f"hyper_parallel: apply_activation_memory expects an nn.Module, got "
                         f"{type(model).__name__}")
+    check_flag("apply_activation_memory", "swap_inputs", swap_inputs)
+    check_flag("apply_activation_memory", "group_swap", group_swap)
     slots = resolve_layer_slots(model, layers)
     strategies = _plan_strategies(plan, slots)
     op_policy, tensor_policy = _split_policy(policy_fn, strategies)
@@ -516,6 +521,16 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
         current = slot.current
         if strategy != "none" and getattr(current, "_hp_is_wrapper", False) \
                 and id(current) not in ours:
+            owner_ref = _applied_by.get(current)
+            owner = owner_ref() if owner_ref is not None else None
+            if owner is not None:
+                where = next((f"its submodule {n!r}" for n, m in model.named_modules()
+                              if m is owner and n), "a module that contains it")
+                raise ValueError(
+                    f"hyper_parallel: layer {slot.name} was already put under an activation-"
+                    f"memory plan by apply_activation_memory on {type(owner).__name__} "
+                    f"({where}); a model takes one plan. Call remove_activation_memory() on "
+                    f"that {type(owner).__name__} first, then apply the plan here.")
             raise ValueError(
                 f"hyper_parallel: layer {slot.name} is already wrapped by "
                 f"{type(current).__name__} (not by apply_activation_memory); give "
@@ -524,6 +539,9 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     if any(s != "none" for s in strategies) and _is_transformers_model(model):
         _refuse_hf_checkpointing(model)
 
+    # The user's hooks on the previous plan's wrappers move to the new ones (or to the
+    # layer when it is no longer wrapped), by slot.
+    kept_hooks = _hooks_of_previous(previous, slots)
     remove_activation_memory(model)  # also gives back the previous plan's engine settings
     engine = _set_engine(depth, window)
     originals = [s.layer for s in slots]
@@ -536,7 +554,10 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
                             group_swap)
             if wrapper is not None:
                 slot.parent._modules[slot.key] = wrapper
+                _applied_by[wrapper] = weakref.ref(unwrapped(model))
                 done.append(i)
+            _take_hooks(kept_hooks.pop(i, None), wrapper if wrapper is not None
+                        else originals[i], slot.name)
         swapping = any(STRATEGIES[s].swaps for s in strategies) or (
             swap_inputs and any(STRATEGIES[s].recomputes for s in strategies))
         if swapping and len(slots) > 1:
@@ -547,6 +568,8 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
         if any(s != "none" for s in strategies) and _is_transformers_model(model):
             cache_hooks = _install_guards(model, slots, strategies)
     except BaseException:
+        for i, hooks in kept_hooks.items():
+            _take_hooks(hooks, originals[i], slots[i].name)
         for handle in cache_hooks:
             handle.remove()
         _undo(slots, originals, chain)
@@ -607,6 +630,84 @@ def _wrap(layer: nn.Module, strategy: str, op_policy, tensor_policy, swap_inputs
                               group_swap=group_swap)
 
 
+# The hook dicts of nn.Module a user's register_*_hook fills, by whether the wrapper's
+# hooks run before the layer's ("pre") or after them ("post"); plus the flag dicts.
+_PRE_HOOKS = ("_forward_pre_hooks", "_backward_pre_hooks")
+_POST_HOOKS = ("_forward_hooks", "_backward_hooks")
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+_HOOK_DICTS = _PRE_HOOKS + _POST_HOOKS + _HOOK_FLAGS
+
+# wrapper -> weakref to the (unwrapped) model apply_activation_memory put it under
+_applied_by: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _detach_hooks(module: nn.Module) -> dict | None:
+    """Takes the user's hook dicts off a wrapper (leaving it empty ones); ``None`` when
+    it has none."""
+    if not any(getattr(module, n, None) for n in _PRE_HOOKS + _POST_HOOKS):
+        return None
+    taken = {n: getattr(module, n) for n in _HOOK_DICTS if hasattr(module, n)}
+    for n in taken:
+        setattr(module, n, OrderedDict())
+    taken["_is_full_backward_hook"] = getattr(module, "_is_full_backward_hook", None)
+    return taken
+
+
+def _take_hooks(taken: dict | None, dst: nn.Module, name: str) -> None:
+    """Puts hook dicts taken off a wrapper onto ``dst`` (a new wrapper or the layer).
+
+    When ``dst`` has no hooks of its own the dict objects move as they are, so the
+    handles register_*_hook returned still remove them. Otherwise they are merged in
+    run order (a wrapper's pre-hooks ran before the layer's, its post-hooks after) and a
+    warning says the old handles no longer remove them."""
+    if not taken:
+        return
+    own = any(getattr(dst, n, None) for n in _PRE_HOOKS + _POST_HOOKS)
+    if not own:
+        for n in _HOOK_DICTS:
+            if n in taken:
+                setattr(dst, n, taken[n])
+    else:
+        for n in _PRE_HOOKS:
+            mine = list(getattr(dst, n).items())
+            getattr(dst, n).clear()
+            getattr(dst, n).update(taken.get(n, {}))
+            getattr(dst, n).update(mine)
+        for n in _POST_HOOKS + _HOOK_FLAGS:
+            getattr(dst, n).update(taken.get(n, {}))
+        warnings.warn(
+            f"hyper_parallel: the hooks registered on the wrapper of layer {name} were moved "
+            f"to the {type(dst).__name__} that now takes its place, which has hooks of its "
+            "own; the handles the wrapper's register_*_hook returned no longer remove them "
+            "(remove them from that module's hook dicts, or register hooks on the layer "
+            "itself before applying a plan).", stacklevel=3)
+    full = taken.get("_is_full_backward_hook")
+    if full is not None and getattr(dst, "_is_full_backward_hook", None) is None:
+        dst._is_full_backward_hook = full
+
+
+def _hooks_of_previous(previous, slots: list[LayerSlot]) -> dict[int, dict]:
+    """{index in ``slots``: hooks taken off the previous plan's wrapper in that slot}."""
+    if previous is None:
+        return {}
+    where = {(id(s.parent), s.key): i for i, s in enumerate(slots)}
+    kept: dict[int, dict] = {}
+    for slot, original in zip(previous.slots, previous.originals):
+        current = slot.parent._modules.get(slot.key)
+        if current is original or not getattr(current, "_hp_is_wrapper", False):
+            continue
+        i = where.get((id(slot.parent), slot.key))
+        hooks = _detach_hooks(current)
+        if hooks is None:
+            continue
+        if i is None:  # the slot leaves the plan: the layer keeps the hooks
+            _take_hooks(hooks, original, slot.name)
+        else:
+            kept[i] = hooks
+    return kept
+
+
 def _undo(slots: list[LayerSlot], originals: list[nn.Module], chain: list[nn.Module]) -> None:
     manager = SwapManager()
     for obj in chain:
@@ -616,6 +717,8 @@ def _undo(slots: list[LayerSlot], originals: list[nn.Module], chain: list[nn.Mod
         if current is not original and getattr(current, "_hp_is_wrapper", False) \
                 and unwrapped(current) is original:
             slot.parent._modules[slot.key] = original
+            _take_hooks(_detach_hooks(current), original, slot.name)
+            _applied_by.pop(current, None)
             current._hp_release()
 
 
@@ -625,7 +728,10 @@ def remove_activation_memory(model: nn.Module) -> bool:
     inside them leave the swap schedule), removes the forward pre-hooks it added to a
     ``transformers`` model and, where the
     applied plan set them, the prefetch depth and offload window that were in place
-    before it (so a later plain apply runs with those).
+    before it (so a later plain apply runs with those). Forward/backward hooks you
+    registered on a wrapper move to the layer it wrapped, and their handles still remove
+    them; when the layer has hooks of its own they are merged in run order and a warning
+    says the wrapper's handles no longer remove them.
 
     Returns:
         ``True`` when something was removed, ``False`` when ``model`` had no plan applied.

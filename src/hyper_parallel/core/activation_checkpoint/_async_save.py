@@ -11,6 +11,7 @@ joins that layer's invocation and follows its prefetch schedule instead.
 
 from __future__ import annotations
 
+from ._errors import check_flag
 from ._host_pool import native_pool
 from ._region import SWAP_ALL, Region
 from ._swap_manager import SwapManager
@@ -26,8 +27,7 @@ class AsyncSaveOnCpu:
         if policy_fn is not None and not callable(policy_fn):
             raise TypeError("hyper_parallel: async_save_on_cpu policy_fn must be a callable "
                             f"policy_fn(tensor) -> CheckpointPolicy; got {type(policy_fn).__name__}")
-        if not isinstance(group_swap, bool):
-            raise TypeError(f"hyper_parallel: group_swap must be a bool; got {group_swap!r}")
+        check_flag("async_save_on_cpu", "group_swap", group_swap)
         self._policy_fn = policy_fn
         self._group_swap = group_swap
         self._pool = native_pool(cpu_pool)

@@ -141,7 +141,11 @@ def find_layers(model: nn.Module) -> list[str]:
     Raises:
         ValueError: when no repeated blocks are found (the message says to pass
             ``layers=``).
+        TypeError: when ``model`` is not an ``nn.Module``.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hyper_parallel: find_layers expects an nn.Module (the model whose "
+                        f"repeated blocks to list); got {type(model).__name__}.")
     return [slot.name for slot in find_layer_slots(model)]
 
 

@@ -29,6 +29,28 @@ def _accepts(fn, n_args: int) -> bool | None:
     return True
 
 
+def _accepts_op_call(fn) -> bool | None:
+    """Whether ``fn`` can take every call ``policy_fn(ctx, op, *args, **kwargs)`` an op
+    makes: two leading positionals and any number of further positionals (the op's
+    arguments; ``**kwargs`` for keyword-only ones such as ``alpha=`` is advised but, as in
+    torch, not required). ``None``
+    when its signature cannot be read."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    kinds = {p.kind for p in sig.parameters.values()}
+    # **kwargs is not required: torch accepts a (ctx, op, *args) policy, which breaks only
+    # on an op called with keyword-only arguments.
+    if inspect.Parameter.VAR_POSITIONAL not in kinds:
+        return False
+    try:
+        sig.bind(None, None)
+    except TypeError:
+        return False
+    return True
+
+
 def _describe(fn) -> str:
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     try:
@@ -80,18 +102,24 @@ def check_swap_policy(policy_fn):
 
 def check_checkpoint_policy(policy_fn):
     """Returns ``policy_fn`` (a callable) when it can be called as
-    ``policy_fn(ctx, op, *args)``.
+    ``policy_fn(ctx, op, *args, **kwargs)`` (its signature has ``*args`` after at most two
+    required positionals; an unreadable signature is not judged).
 
     Raises:
         TypeError: naming the expected shape; when it takes one argument, saying that
-            it looks like a per-tensor swap policy.
+            it looks like a per-tensor swap policy; when it lacks ``*args`` (``(ctx, op)``),
+            saying to declare ``*args, **kwargs``.
     """
     if _cached(policy_fn, "checkpoint"):
         return policy_fn
-    if _accepts(policy_fn, 2) is False:
-        hint = (" It takes one argument, the shape of a swap policy (one call per saved "
-                "tensor): pass it to swap()/swap_wrapper(), or give checkpoint a per-op "
-                "function." if _accepts(policy_fn, 1) else "")
+    if _accepts_op_call(policy_fn) is False:
+        if _accepts(policy_fn, 2) is False and _accepts(policy_fn, 1):
+            hint = (" It takes one argument, the shape of a swap policy (one call per saved "
+                    "tensor): pass it to swap()/swap_wrapper(), or give checkpoint a per-op "
+                    "function.")
+        else:
+            hint = (" Declare it as def policy_fn(ctx, op, *args, **kwargs): every op passes "
+                    "its own arguments after (ctx, op).")
         raise TypeError(
             "hyper_parallel: checkpoint's policy_fn is called once per op as "
             "policy_fn(ctx, op, *args, **kwargs) -> CheckpointPolicy or bool, but "

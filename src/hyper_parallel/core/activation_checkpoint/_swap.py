@@ -11,6 +11,7 @@ from hyper_parallel._extension import _C
 
 from . import _compile
 from ._backends import backend_for, loaded_frameworks
+from ._errors import check_flag
 from ._host_pool import native_pool
 from ._policy_signature import check_swap_policy
 from ._region import (SWAP_ALL, Region, _compiled_autograd_on, after_run_region, in_backward,
@@ -88,11 +89,13 @@ def swap(function, *args, policy_fn=None, group_swap=False, cpu_pool=None, **kwa
 
     Raises:
         ValueError: when ``policy_fn`` returns anything but MUST_SAVE / MUST_SWAP.
+        TypeError: (:class:`ArgumentKindError`) when ``group_swap`` is not a bool.
         TypeError: when ``policy_fn`` cannot be called as ``policy_fn(tensor)`` (a
             checkpoint policy ``(ctx, op, ...)`` given to swap, say), or when
             ``cpu_pool`` is not a PinnedMemoryPool.
         RuntimeError: when ``cpu_pool`` is full (the message names its cap).
     """
+    check_flag("swap", "group_swap", group_swap)
     backend = backend_for(function, args=args, kwargs=kwargs)
     if backend is not None:  # a MindSpore Cell or tensors (docs/design.md, "Backends")
         _refuse_pool_on_backend(cpu_pool, "swap")
@@ -145,6 +148,7 @@ def swap_region(function, policy_fn=None, group_swap=False, cpu_pool=None) -> Re
     """The (not yet entered) swap region of one call of ``function``, or ``None`` when
     the call runs plainly: in recompute or without grad. ``cpu_pool``: a
     PinnedMemoryPool or None (checked even when the call runs plainly)."""
+    check_flag("swap", "group_swap", group_swap)
     SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP on first use
     check_swap_policy(policy_fn)
     pool = native_pool(cpu_pool)
@@ -182,6 +186,7 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False, cpu_pool=None):
             modified in place after registration (SPEC 4.7).
     """
     global _warned_outside
+    check_flag("swap_tensor_wrapper", "group_swap", group_swap)
     if _compile.is_compiling():
         _compile.warn_registration_not_compiled()
         return target

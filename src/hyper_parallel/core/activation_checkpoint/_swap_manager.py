@@ -15,6 +15,7 @@ import torch
 from hyper_parallel._extension import _C
 
 from ._backends import backend_for, loaded_backends
+from ._errors import ArgumentKindError
 from ._region import REGISTERED_ONLY, Region, in_backward
 
 _LAYER_ATTR = "_hyper_parallel_layer"
@@ -384,6 +385,7 @@ class SwapManager:
         Raises:
             RuntimeError: outside any region or group_context.
         """
+        _check_group_name("set_current_group_name", name)
         group = _C.current_group()
         if group is None:
             raise RuntimeError("hyper_parallel: set_current_group_name() called outside a swap "
@@ -392,12 +394,21 @@ class SwapManager:
         group.name = str(name)
         _C.name_group(group)
 
-    @contextlib.contextmanager
     def group_context(self, name: str):
         """A manual swap group: tensors registered inside (``swap_tensor_wrapper``, or
         saved while ``swap`` hooks are active) stay on device until you call
-        ``launch_offload(name)``; bring them back with ``launch_load``/``wait_load``."""
-        region = Region(-1, str(name), REGISTERED_ONLY, manual=True)
+        ``launch_offload(name)``; bring them back with ``launch_load``/``wait_load``.
+
+        Raises:
+            ArgumentKindError: (a TypeError and a ValueError) when ``name`` is not a str,
+                at this call.
+        """
+        _check_group_name("group_context", name)
+        return self._group_context(name)
+
+    @contextlib.contextmanager
+    def _group_context(self, name: str):
+        region = Region(-1, name, REGISTERED_ONLY, manual=True)
         with region:
             yield region.group
 
@@ -540,6 +551,13 @@ def _raise_unknown(name: str):
         f"hyper_parallel: no live swap group named '{name}'. Create it with "
         "SwapManager().group_context(name) or ensure_group(name) (or check "
         "get_current_group_name()) before launching its offload or load.")
+
+
+def _check_group_name(api: str, name) -> None:
+    if not isinstance(name, str):
+        raise ArgumentKindError(
+            f"hyper_parallel: {api}'s name must be a str (the name launch_offload/launch_load/"
+            f"wait_load address the group by); got {name!r} ({type(name).__name__}).")
 
 
 def _by_name(fn, name) -> None:

@@ -106,15 +106,62 @@ class ActivationTrace:
             json.dump(self.chrome_trace(), f)
 
 
-@contextlib.contextmanager
+def _check_trace_path(path) -> str:
+    """``path`` as a str when the trace can be written there on exit; checked without
+    creating anything (the folders ``write`` would create must have a writable folder
+    above them)."""
+    from ._errors import ArgumentKindError  # noqa: PLC0415
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentKindError(
+            "hyper_parallel: activation_trace's path must be a str or os.PathLike (the Chrome "
+            f"trace JSON file written on exit) or None; got {path!r} ({type(path).__name__}).")
+    path = os.fspath(path)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if os.path.isdir(path):
+        raise ValueError(f"hyper_parallel: activation_trace path {path!r} is a folder; give a "
+                         "file name inside it, e.g. os.path.join(path, 'trace.json').")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"hyper_parallel: activation_trace cannot write {path!r} (no "
+                             "write permission); give a path you can write.")
+        return path
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise ValueError(f"hyper_parallel: activation_trace cannot write {path!r}: {folder!r} "
+                         "is a file, not a folder; give a path in a folder you can write.")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"hyper_parallel: activation_trace cannot write {path!r}: folder "
+                         f"{folder!r} is not writable; give a path in a folder you can write.")
+    return path
+
+
 def activation_trace(path: str | os.PathLike | None = None):
     """Records the swap timeline of the enclosed code; yields an :class:`ActivationTrace`.
 
     On exit the engine waits for the copies it recorded to finish (their end times are
-    read then), and, when ``path`` is given, writes Chrome trace JSON there: open it in
-    https://ui.perfetto.dev or chrome://tracing. One trace at a time per process
-    (RuntimeError otherwise). Thread-safe: swaps on any thread are recorded.
+    read then), and, when ``path`` is given, writes Chrome trace JSON there (missing
+    parent folders are created): open it in https://ui.perfetto.dev or chrome://tracing.
+    One trace at a time per process (RuntimeError otherwise). Thread-safe: swaps on any
+    thread are recorded.
+
+    Raises:
+        ArgumentKindError: (a TypeError and a ValueError) at this call, when ``path`` is
+            not a str, os.PathLike or None.
+        ValueError: at this call, when ``path`` is a folder, or cannot be written (its
+            nearest existing ancestor is a file or not writable, or the file exists and is
+            read-only). Nothing is created by the check.
     """
+    if path is not None:
+        path = _check_trace_path(path)
+    return _trace_block(path)
+
+
+@contextlib.contextmanager
+def _trace_block(path: str | None):
     _C.trace_start()
     trace = ActivationTrace()
     try:

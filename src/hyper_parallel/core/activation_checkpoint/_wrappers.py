@@ -24,6 +24,7 @@ from torch import nn
 from . import _compile
 from ._backends import wrapper_dispatch
 from ._host_pool import native_pool
+from ._errors import check_flag
 from ._policy_signature import check_swap_policy
 from ._swap import LayerCall, in_backward, swap_call, swap_module_call
 from ._swap_manager import SwapManager
@@ -245,6 +246,7 @@ class SwapWrapper(ActivationWrapper):
 
     def __init__(self, module: nn.Module, policy_fn=None, group_swap: bool = False,
                  cpu_pool=None) -> None:
+        check_flag("swap_wrapper", "group_swap", group_swap)
         check_swap_policy(policy_fn)
         native_pool(cpu_pool)
         existing = _swap_wrapper_of.get(module) if isinstance(module, nn.Module) else None
@@ -333,6 +335,7 @@ def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False, cpu_pool=None):
         raise TypeError(f"hyper_parallel: swap_wrapper expects an nn.Module or a callable, "
                         f"got {type(module_or_fn).__name__}")
     _refuse_double_wrap(module_or_fn)
+    check_flag("swap_wrapper", "group_swap", group_swap)
     check_swap_policy(policy_fn)
 
     pool = native_pool(cpu_pool)

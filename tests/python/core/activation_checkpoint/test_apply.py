@@ -361,3 +361,80 @@ def test_remove_restores_the_engine_settings_the_plan_replaced(monkeypatch):
         remove_activation_memory(model)
         manager.set_prefetch_depth(depth0)
         _C.set_offload_window(window0)
+
+
+# ---------------------------------------------------------------- tester faults: input
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = Stack(layers=3)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_apply_over_a_plan_applied_to_a_submodule_says_remove_it_first():
+    """Tester fault: 'already wrapped ... (not by apply_activation_memory)' for layers that
+    apply_activation_memory had wrapped under another module."""
+    outer = _Outer()
+    apply_activation_memory(outer.body, "checkpoint")
+    with pytest.raises(ValueError, match=r"^hyper_parallel: layer body\.layers\.0 was already put "
+                                         r"under an activation-memory plan by "
+                                         r"apply_activation_memory on Stack \(its submodule "
+                                         r"'body'\).*Call remove_activation_memory\(\)"):
+        apply_activation_memory(outer, "swap")
+    assert remove_activation_memory(outer.body)
+    apply_activation_memory(outer, "checkpoint")
+    with pytest.raises(ValueError, match=r"^hyper_parallel: layer layers\.0 was already put .*"
+                                         r"on _Outer \(a module that contains it\)"):
+        apply_activation_memory(outer.body, "swap")
+    assert remove_activation_memory(outer)
+    assert all(type(b) is Block for b in outer.body.layers)
+
+
+def test_apply_options_must_be_bool():
+    for name in ("group_swap", "swap_inputs"):
+        with pytest.raises(TypeError, match=rf"^hyper_parallel: apply_activation_memory's {name} "
+                                            r"must be a bool \(True or False\); got 'yes'"):
+            apply_activation_memory(Stack(layers=2), "swap", **{name: "yes"})
+
+
+def test_user_hooks_on_wrappers_survive_reapply_and_remove(cpu_swap):
+    """Tester fault: hooks registered on a wrapper were dropped on re-apply / remove."""
+    model = Stack(layers=3)
+    x = torch.randn(2, 4, 32)
+    apply_activation_memory(model, "checkpoint")
+    seen = []
+    post = model.layers[1].register_forward_hook(lambda m, a, out: seen.append(("post",
+                                                                                type(m).__name__)))
+    model.layers[1].register_forward_pre_hook(lambda m, a: seen.append(("pre", type(m).__name__)))
+    model(x).backward()
+    assert seen == [("pre", "CheckpointWrapper"), ("post", "CheckpointWrapper")]
+    seen.clear()
+    apply_activation_memory(model, "swap")  # re-apply: the hooks move to the new wrapper
+    model(x).backward()
+    assert seen == [("pre", "SwapWrapper"), ("post", "SwapWrapper")]
+    seen.clear()
+    remove_activation_memory(model)  # the layer itself takes them
+    model(x).backward()
+    assert seen == [("pre", "Block"), ("post", "Block")]
+    post.remove()  # the handle still removes its hook
+    seen.clear()
+    model(x)
+    assert seen == [("pre", "Block")]
+
+
+def test_wrapper_hooks_merged_into_a_hooked_layer_keep_order_and_warn():
+    model = Stack(layers=2)
+    order = []
+    model.layers[0].register_forward_hook(lambda m, a, out: order.append("layer post"))
+    model.layers[0].register_forward_pre_hook(lambda m, a: order.append("layer pre"))
+    apply_activation_memory(model, "checkpoint")
+    model.layers[0].register_forward_hook(lambda m, a, out: order.append("wrapper post"))
+    model.layers[0].register_forward_pre_hook(lambda m, a: order.append("wrapper pre"))
+    with pytest.warns(UserWarning, match=r"^hyper_parallel: the hooks registered on the wrapper "
+                                         r"of layer layers\.0 were moved"):
+        remove_activation_memory(model)
+    with torch.no_grad():
+        model(torch.randn(2, 4, 32))
+    assert order == ["wrapper pre", "layer pre", "layer post", "wrapper post"]

@@ -70,3 +70,11 @@ def test_block_is_entered_once_and_exceptions_leave_nothing(cpu_swap, dev):
     assert SwapManager().get_current_group_name() is None
     with pytest.raises(TypeError, match="policy_fn must be a callable"):
         async_save_on_cpu(policy_fn=3)
+
+
+def test_async_save_group_swap_must_be_bool():
+    from hyper_parallel.core.activation_checkpoint import async_save_on_cpu
+
+    with pytest.raises(TypeError, match=r"^hyper_parallel: async_save_on_cpu's group_swap must "
+                                        r"be a bool \(True or False\); got 'yes'"):
+        async_save_on_cpu(group_swap="yes")

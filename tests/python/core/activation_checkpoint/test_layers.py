@@ -94,3 +94,12 @@ def test_selected_layers_are_used_by_apply():
     assert [e.name for e in report] == ["encoder.0", "encoder.1"]
     assert type(model.encoder[0]).__name__ == "CheckpointWrapper"
     assert isinstance(model.body.blocks[0], Block)
+
+
+@pytest.mark.parametrize("bad", [3, None, "model"])
+def test_find_layers_of_a_non_module_is_a_clear_type_error(bad):
+    """Tester fault: find_layers(3) raised AttributeError '_modules'."""
+    from hyper_parallel.core.activation_checkpoint import find_layers
+
+    with pytest.raises(TypeError, match=r"^hyper_parallel: find_layers expects an nn.Module "):
+        find_layers(bad)

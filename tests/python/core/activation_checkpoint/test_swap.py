@@ -696,3 +696,103 @@ def test_exception_from_a_wrapped_layer_propagates_unchanged(cpu_swap, dev):
     (g,) = torch.autograd.grad(wrapped[1](wrapped[0](x)).sum(), [w])
     (gr,) = torch.autograd.grad(layer(layer(x)).sum(), [w])
     assert torch.equal(g, gr)
+
+
+# ---------------------------------------------------------------- no plain storage
+class _SparseLayer(nn.Module):
+    """Saves sparse tensors for backward (torch.sparse.mm and a CSR matmul save their
+    sparse operand), next to ordinary strided ones."""
+
+    def __init__(self, layout):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.layout = layout
+
+    def forward(self, x):
+        h = torch.relu(self.lin(x))
+        # A device without sparse kernels (hpsim) runs the sparse op on the host: its
+        # dense tensors are still swapped, the host sparse one is skipped.
+        host = x.device.type != "cpu"
+        w = self.lin.weight.cpu() if host else self.lin.weight
+        h = h.cpu() if host else h
+        if self.layout == "coo":
+            y = torch.sparse.mm(h.to_sparse(), w)
+        else:
+            y = h.to_sparse_csr() @ w
+        return (y.to(x.device) * x).sum()
+
+
+def _sparse_reference(layout, dev):
+    torch.manual_seed(0)
+    model = _SparseLayer(layout).to(dev)
+    x = torch.randn(6, 8, device=dev, requires_grad=True)
+    return model, x
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support")
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.parametrize("how", ["swap", "swap_wrapper", "async_save_on_cpu"])
+def test_sparse_saved_tensors_are_skipped_as_no_storage(cpu_swap, dev, layout, how):
+    """Tester fault: 'Cannot access storage of SparseTensorImpl' from every swap path."""
+    from hyper_parallel.core.activation_checkpoint import async_save_on_cpu
+
+    ref, xr = _sparse_reference(layout, dev)
+    ref(xr).backward()
+    model, x = _sparse_reference(layout, dev)
+    SwapManager().reset_stats()
+    if how == "swap":
+        out = swap(model, x)
+    elif how == "swap_wrapper":
+        out = swap_wrapper(model)(x)
+    else:
+        with async_save_on_cpu():
+            out = model(x)
+    out.backward()
+    SwapManager().synchronize()
+    assert torch.equal(out, ref(xr.detach()))
+    assert torch.equal(x.grad, xr.grad)
+    assert_bitwise(grads(model), grads(ref))
+    no_storage = SwapManager().stats()["skipped"]["no_storage"]
+    assert no_storage["count"] >= 1
+    assert no_storage["bytes"] > 0  # a sparse tensor's index and value bytes
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.filterwarnings("ignore:Sparse .* support")
+def test_ineligible_reason_of_tensors_without_plain_storage(cpu_swap, dev):
+    dense = torch.randn(4, 4)
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+    for t in (dense.to_sparse(), torch.randn(4, 4).to_sparse_csr(),
+              torch.randn(4, 4).to_sparse_csc(), torch.randn(4, 4).to_sparse_bsr((2, 2)),
+              nested):
+        assert _C.ineligible_reason(t) == "tensor without storage"
+        assert _C.residency(t) is None
+    assert _C.ineligible_reason(torch.empty(3, device="meta")) == "meta or fake tensor"
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_saved_tensor_is_skipped_and_grads_match(cpu_swap):
+    def fn(a):
+        nt = torch.nested.as_nested_tensor([a[:2], a[2:]])
+        return (nt * nt).to_padded_tensor(0.0).sum()
+
+    x = torch.randn(5, 3, requires_grad=True)
+    xr = x.detach().clone().requires_grad_(True)
+    fn(xr).backward()
+    SwapManager().reset_stats()
+    swap(fn, x).backward()
+    SwapManager().synchronize()
+    assert torch.equal(x.grad, xr.grad)
+    assert SwapManager().stats()["skipped"]["no_storage"]["count"] >= 1
+
+
+def test_swap_group_swap_must_be_bool():
+    model = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match=r"^hyper_parallel: swap's group_swap must be a bool "
+                                            r"\(True or False\); got"):
+            swap(model, x, group_swap=bad)
+    with pytest.raises(TypeError, match=r"^hyper_parallel: swap_tensor_wrapper's group_swap "):
+        from hyper_parallel.core.activation_checkpoint import swap_tensor_wrapper
+        swap_tensor_wrapper(x, group_swap="yes")

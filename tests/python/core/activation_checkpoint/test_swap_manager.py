@@ -138,3 +138,16 @@ def test_a_wait_before_its_launch_raises_and_moves_nothing(cpu_swap, dev):
     assert group.residencies == ["device"] and group.storage_nbytes == [256 * 4]
     y.backward()
     _check_grad(x)
+
+
+@pytest.mark.parametrize("bad", [5, None, b"g"])
+def test_group_names_must_be_str_at_the_call(bad):
+    """Tester fault: group_context(5) was accepted (and only a generator was built)."""
+    from hyper_parallel.core.activation_checkpoint import SwapManager
+
+    with pytest.raises(TypeError, match=r"^hyper_parallel: group_context's name must be a str"):
+        SwapManager().group_context(bad)  # raised before any `with`
+    with pytest.raises(ValueError, match=r"^hyper_parallel: set_current_group_name's name "):
+        SwapManager().set_current_group_name(bad)
+    with SwapManager().group_context("ok") as group:  # a str still works
+        assert group is not None

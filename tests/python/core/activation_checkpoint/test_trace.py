@@ -106,3 +106,24 @@ def test_engine_calls_show_in_torch_profiler(cpu_swap, dev):
         model(x).backward()
     names = {e.name for e in prof.events()}
     assert {"hyper_parallel::offload", "hyper_parallel::reload"} <= names
+
+
+def test_unwritable_trace_path_fails_at_entry_without_creating_it(tmp_path):
+    """Tester fault: activation_trace('/nonexistent/dir/x.json') failed only at exit."""
+    from hyper_parallel.core.activation_checkpoint import activation_trace
+
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"^hyper_parallel: activation_trace cannot write .*"
+                                         r"is a file, not a folder"):
+        activation_trace(blocker / "dir" / "x.json")
+    with pytest.raises(ValueError, match=r"^hyper_parallel: activation_trace path .* is a "
+                                         r"folder"):
+        activation_trace(tmp_path)
+    with pytest.raises(TypeError, match=r"^hyper_parallel: activation_trace's path must be "):
+        activation_trace(5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    target = tmp_path / "new" / "t.json"
+    with activation_trace(target):  # a missing folder under a writable one is fine
+        pass
+    assert target.exists()

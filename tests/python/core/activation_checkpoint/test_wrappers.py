@@ -182,3 +182,14 @@ def test_disjoint_wrappers_and_rewrapping_one_module_do_not_warn():
         assert torch.equal(first(x), second(x))
         checkpoint_wrapper(torch.mul)
         swap_wrapper(torch.mul)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_swap_wrapper_group_swap_must_be_bool(bad):
+    """Tester fault: group_swap="yes" reached pybind as a raw argument-type error."""
+    from hyper_parallel.core.activation_checkpoint import swap_wrapper
+
+    for target in (torch.nn.Linear(4, 4), lambda x: x * 2):
+        with pytest.raises(TypeError, match=r"^hyper_parallel: swap_wrapper's group_swap must be "
+                                            r"a bool \(True or False\); got"):
+            swap_wrapper(target, group_swap=bad)
