@@ -211,22 +211,12 @@ class _AttentionBlock(nn.Module):
         return x + self.out(torch.tanh(a.transpose(1, 2).reshape(b, s, h)))
 
 
-class _AttentionStack(nn.Module):
-    def __init__(self, layers: int = 2) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(_AttentionBlock() for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x.square().mean()
-
-
 def test_selective_keeps_fused_attention_outputs(caches):
     # "selective" keeps the fused attention kernel's outputs (a random op, at dropout 0
     # it draws nothing), so backward does not run attention again; gradients bitwise.
     torch.manual_seed(0)
-    model = _AttentionStack()
+    model = Stack(layers=2)  # its layers replaced by attention blocks (same width)
+    model.layers = nn.ModuleList(_AttentionBlock() for _ in range(2))
     reference = copy.deepcopy(model)
     x = torch.randn(2, 6, 32)
     apply_activation_memory(model, "selective")
