@@ -309,7 +309,7 @@ bool SwapEngine::end_forward(const std::shared_ptr<SwapGroup>& group) {
       release_locked(group);
     }
   }
-  pump_offloads_locked();
+  pump_offloads_locked(*group);
   retry_deferred_locked();
   return !group->manual() && !schedule_.scheduled(group->layer()) && !group->records().empty();
 }
@@ -825,25 +825,42 @@ void SwapEngine::load_group_locked(const std::shared_ptr<SwapGroup>& group) {
   for (const auto& kv : by_device) reload_batch_locked(kv.second);
 }
 
-void SwapEngine::pump_offloads_locked() {
+void SwapEngine::pump_offloads_locked(const SwapGroup& ending) {
   auto it = pending_offloads_.find(std::this_thread::get_id());
   if (it == pending_offloads_.end()) return;
   auto& queue = it->second;
+  // Entries that need no offload any more: dropped, already submitted, or their backward
+  // began while they waited (they stay on device; count_kept_locked counts them as
+  // link_saturated when their own backward begins).
+  auto stale = [](const std::shared_ptr<SwapGroup>& g) {
+    return !g || !g->offload_pending || g->backward_started;
+  };
+  while (!queue.empty() && stale(queue.front().lock())) queue.pop_front();
+  // Near the turn (the end of the forward of the last layer of a chain, or of the layer
+  // before it), an offload that waited since an earlier release point stays waiting, and so
+  // does everything queued behind it: the link is behind by a full window, so its copy
+  // would end after the turn, lower no peak, and hold up the reloads wanted first in
+  // backward (docs/design.md, "Offload window").
+  if (!queue.empty() && queue.front().lock().get() != &ending) {
+    const int64_t layer = ending.layer();
+    if (schedule_.has_predecessor(layer) &&
+        (!schedule_.has_successor(layer) ||
+         !schedule_.has_successor(schedule_.successor(layer)))) {
+      return;
+    }
+  }
+  const size_t window = static_cast<size_t>(options_.offload_window);
   while (!queue.empty()) {
+    // Completion is checked oldest first: D2H copies run in submission order on one link.
     while (!offloads_in_flight_.empty() &&
            std::all_of(offloads_in_flight_.front().begin(), offloads_in_flight_.front().end(),
                        [](const CopyEventPtr& e) { return e->query(); })) {
       offloads_in_flight_.pop_front();
     }
-    // Completion is checked oldest first: D2H copies run in submission order on one link.
-    const size_t window = static_cast<size_t>(options_.offload_window);
     if (window > 0 && offloads_in_flight_.size() >= window) break;
     std::shared_ptr<SwapGroup> group = queue.front().lock();
     queue.pop_front();
-    if (!group || !group->offload_pending) continue;
-    // Its backward began while it waited: it stays on device (count_kept_locked counts it
-    // as link_saturated when its own backward begins).
-    if (group->backward_started) continue;
+    if (stale(group)) continue;
     group->offload_pending = false;
     std::vector<CopyEventPtr> submitted;
     collect_d2h_ = &submitted;

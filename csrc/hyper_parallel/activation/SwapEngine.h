@@ -198,9 +198,11 @@ class SwapEngine {
   void load_group_locked(const std::shared_ptr<SwapGroup>& group);
   // Retries the releases deferred by this thread's earlier release points.
   void retry_deferred_locked();
-  // Submits the offloads queued by this thread's release points while fewer than
-  // offload_window invocations have D2H copies in flight (docs/design.md, "Offload window").
-  void pump_offloads_locked();
+  // At the end of `ending`'s forward: submits the offloads queued by this thread's release
+  // points while fewer than offload_window invocations have D2H copies in flight, except at
+  // the last two layers of a chain, where nothing waiting is submitted (docs/design.md,
+  // "Offload window").
+  void pump_offloads_locked(const SwapGroup& ending);
   // Debug checks of a release (see above).
   void check_release_locked(const StorageRecord& record) const;
   bool in_use_elsewhere(const StorageRecord& record, const c10::Storage& storage) const;

@@ -1075,5 +1075,69 @@ TEST(SwapEngineTest, OffloadWindowKeepsTrailingLayersResidentWhenTheLinkFallsBeh
   EXPECT_THROW(engine.set_offload_window(-1), c10::Error);
 }
 
+TEST(SwapEngineTest, OffloadWindowSubmitsNoWaitingOffloadNearTheTurn) {
+  // Window 1, 40 KB per layer at 250 ns/B (10 ms per offload), so each layer's offload
+  // waits for the one before it. From layer 2 on the test lets the copy submitted two
+  // release points earlier finish first, so a slot frees at every release point; near the
+  // turn (the release points of layers 4 and 5 of a 6-layer chain) the waiting offload is
+  // still not submitted.
+  SwapEngine engine(cpu_options(250.0, /*offload_window=*/1));
+  auto layers = make_chain(engine, 6);
+  std::vector<std::shared_ptr<SwapGroup>> groups;
+  std::vector<std::shared_ptr<SavedHandle>> handles;
+  std::vector<at::Tensor> expected;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    groups.push_back(begin(engine, layers[i]));
+    at::Tensor t = at::randn({10000});
+    expected.push_back(t.clone());
+    handles.push_back(pack(engine, groups.back(), t));
+    t.reset();
+    if (i >= 2 && i <= 4) engine.wait_offload(groups[i - 2]);  // a slot frees
+    engine.end_forward(groups.back());
+  }
+  // 0 went at once; 1 waited and went at layer 2's release point, 2 at layer 3's. 3 waited
+  // and stays: a slot is free at layer 4's release point (its successor is the last layer)
+  // and at layer 5's (the last layer), but those are near the turn; 4 queued behind 3.
+  EXPECT_TRUE(off_device(*handles[0]));
+  EXPECT_TRUE(off_device(*handles[1]));
+  EXPECT_TRUE(off_device(*handles[2]));
+  EXPECT_FALSE(off_device(*handles[3]));
+  EXPECT_FALSE(off_device(*handles[4]));
+  for (int i = 6; i-- > 0;) {
+    engine.backward_begin(groups[i]);
+    EXPECT_TRUE(same(engine.unpack(*handles[i]), expected[i])) << i;
+  }
+  SwapStats s = engine.stats();
+  EXPECT_EQ(s.offload_count, 3);
+  EXPECT_EQ(s.reload_count, 3);
+  EXPECT_EQ(s.skipped_count[static_cast<size_t>(SkipReason::kLinkSaturated)], 2);
+  EXPECT_EQ(s.skipped_count[static_cast<size_t>(SkipReason::kLastLayer)], 1);
+}
+
+TEST(SwapEngineTest, OffloadWindowNearTheTurnStillSubmitsALayerThatDidNotWait) {
+  // A fast link (no delay): nothing waits, so the release point before the last layer
+  // still offloads its own layer at once when the window has a free slot.
+  SwapEngine engine(cpu_options(0.0, /*offload_window=*/1));
+  auto layers = make_chain(engine, 3);
+  std::vector<std::shared_ptr<SwapGroup>> groups;
+  std::vector<std::shared_ptr<SavedHandle>> handles;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    groups.push_back(begin(engine, layers[i]));
+    at::Tensor t = at::randn({1000});
+    handles.push_back(pack(engine, groups.back(), t));
+    t.reset();
+    if (i >= 1) engine.wait_offload(groups[i - 1]);
+    engine.end_forward(groups.back());
+  }
+  EXPECT_TRUE(off_device(*handles[0]));
+  EXPECT_TRUE(off_device(*handles[1]));  // its successor is the last layer
+  EXPECT_FALSE(off_device(*handles[2]));
+  for (int i = 3; i-- > 0;) {
+    engine.backward_begin(groups[i]);
+    engine.unpack(*handles[i]);
+  }
+  EXPECT_EQ(engine.stats().offload_count, 2);
+}
+
 }  // namespace
 }  // namespace hyper_parallel::activation
