@@ -356,6 +356,8 @@ def _pred(profile, plan, names) -> dict:
         plan = ["checkpoint" if i % 2 == 0 else "swap" for i in range(len(names))]
     elif isinstance(plan, str):
         plan = [plan] * len(names)
+    # Hand plans run at the engine's offload window (default 2), the planner's at 0; the
+    # cost model predicts each at its own (predict's default is the engine's window).
     p = predict(profile, plan)
     return {"predicted_peak_bytes": p["peak_bytes"], "predicted_step_seconds": p["step_seconds"]}
 

@@ -33,6 +33,7 @@ void bind_planner(py::module_& m) {
       .def_readwrite("outside_seconds", &StepProfile::outside_seconds)
       .def_readwrite("tail_seconds", &StepProfile::tail_seconds)
       .def_readwrite("prefetch_depth", &StepProfile::prefetch_depth)
+      .def_readwrite("offload_window", &StepProfile::offload_window)
       .def("set_links",
            [](StepProfile& p, double d2h_latency, double d2h_per_byte, double h2d_latency,
               double h2d_per_byte) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <limits>
 
 namespace hyper_parallel::planner {
@@ -34,6 +35,8 @@ void StepProfile::validate() const {
   HP_CHECK_VALUE(base_bytes >= 0 && tail_bytes >= 0, "profile base/tail bytes must be >= 0");
   HP_CHECK_VALUE(prefetch_depth >= 0, "profile prefetch depth must be >= 0, got ",
                  prefetch_depth);
+  HP_CHECK_VALUE(offload_window >= 0, "profile offload window must be >= 0, got ",
+                 offload_window);
   HP_CHECK_VALUE(good_seconds(outside_seconds) && good_seconds(tail_seconds),
                  "profile outside/tail seconds must be finite and >= 0");
   for (const CopyLink* link : {&d2h, &h2d}) {
@@ -63,8 +66,6 @@ Prediction evaluate(const StepProfile& p, const std::vector<int>& assignment) {
     c[k] = p.effective(k, static_cast<size_t>(assignment[k]));
   }
   Prediction out;
-  // Memory: the sample points of the header comment.
-  int64_t kept = 0;
   auto consider = [&](int64_t bytes, int layer, bool backward) {
     if (bytes > out.peak_bytes || out.peak_layer == -2) {
       out.peak_bytes = bytes;
@@ -73,12 +74,53 @@ Prediction evaluate(const StepProfile& p, const std::vector<int>& assignment) {
     }
   };
   out.peak_layer = -2;  // nothing considered yet
+
+  // Forward, event by event: release points, the offload window, the FIFO D2H stream.
+  HP_CHECK_VALUE(p.offload_window >= 0, "profile offload window must be >= 0, got ",
+                 p.offload_window);
+  const size_t w = static_cast<size_t>(p.offload_window);
+  double t = 0.0;
+  double d2h_free = 0.0;
+  std::vector<double> d2h_done(n, 0.0);
+  std::deque<size_t> waiting;      // released, offload not submitted yet (oldest first)
+  std::deque<double> in_flight;    // completion times of submitted copies, in order
+  int64_t waiting_bytes = 0;
+  int64_t kept = 0;                // kept bytes of the layers whose forward ended
+  double busy = 0.0;
+  auto submit = [&](size_t i) {
+    d2h_done[i] = std::max(t, d2h_free) + p.d2h.seconds(c[i].offload_bytes);
+    d2h_free = d2h_done[i];
+    in_flight.push_back(d2h_done[i]);
+    waiting_bytes -= c[i].offload_bytes;
+    out.offload_bytes += c[i].offload_bytes;
+  };
   for (size_t k = 0; k < n; ++k) {
-    consider(p.base_bytes + kept + c[k].kept_bytes + c[k].offload_bytes, static_cast<int>(k),
-             false);
+    t += c[k].forward_seconds;
+    busy += c[k].forward_seconds + c[k].backward_seconds;
+    consider(p.base_bytes + kept + waiting_bytes + c[k].kept_bytes + c[k].offload_bytes,
+             static_cast<int>(k), false);
     kept += c[k].kept_bytes;
-    out.offload_bytes += c[k].offload_bytes;
+    if (c[k].offload_bytes > 0) {
+      waiting.push_back(k);
+      waiting_bytes += c[k].offload_bytes;
+    }
+    // A release point: only a layer whose option opens a swap region has one.
+    if (p.layers[k][static_cast<size_t>(assignment[k])].offload_bytes == 0) continue;
+    const bool near_turn = k + 2 >= n;
+    if (w > 0 && near_turn && !waiting.empty() && waiting.front() != k) continue;
+    while (!waiting.empty()) {
+      while (!in_flight.empty() && in_flight.front() <= t) in_flight.pop_front();
+      if (w > 0 && in_flight.size() >= w) break;
+      submit(waiting.front());
+      waiting.pop_front();
+    }
   }
+  // Offloads still waiting at the turn never happen: those layers keep their bytes.
+  for (size_t i : waiting) {
+    c[i].kept_bytes += c[i].offload_bytes;
+    c[i].offload_bytes = 0;
+  }
+  kept += waiting_bytes;
   consider(p.base_bytes + kept + p.tail_bytes, -1, false);
   // Reloads issued at the start of Lk's backward and still held: Lk-d .. Lk.
   const size_t depth = static_cast<size_t>(p.prefetch_depth);
@@ -95,20 +137,6 @@ Prediction evaluate(const StepProfile& p, const std::vector<int>& assignment) {
     below -= c[k].kept_bytes;
   }
   out.host_peak_bytes = out.offload_bytes;
-
-  // Time: forward with the FIFO D2H stream, then the backward recursion.
-  double t = 0.0;
-  double d2h_free = 0.0;
-  std::vector<double> d2h_done(n, 0.0);
-  double busy = 0.0;
-  for (size_t k = 0; k < n; ++k) {
-    t += c[k].forward_seconds;
-    if (c[k].offload_bytes > 0) {
-      d2h_done[k] = std::max(t, d2h_free) + p.d2h.seconds(c[k].offload_bytes);
-      d2h_free = d2h_done[k];
-    }
-    busy += c[k].forward_seconds + c[k].backward_seconds;
-  }
   t += p.tail_seconds;
   // Backward: at trig (Lk's output gradient arrives) reloads Lk .. Lk-d not issued yet
   // go on the FIFO H2D stream, nearest first; Lk computes once its reload is done.

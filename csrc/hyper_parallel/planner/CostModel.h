@@ -15,13 +15,23 @@
 //    computes once both its gradient and its reload are there (a reload longer than its
 //    window stalls the step). With d = 0 every reload is fully exposed.
 //  * the last layer offloads nothing; its bytes stay on the device.
+//  * offload window W (SwapEngine's offload_window; 0 = none): a release point submits
+//    queued offloads, oldest first, only while fewer than W submitted copies are unfinished
+//    at that moment; the rest wait for a later release point (a layer whose raw option
+//    offloads, i.e. one with a swap region), and at the release points of the last two
+//    layers a queue whose oldest entry is not the layer ending there stays as it is. An
+//    offload still waiting at the turn never happens: its bytes count as kept until its
+//    backward and it reloads nothing. A waiting layer's bytes count on the device until
+//    its offload is submitted. (docs/design.md, "Offload window".)
 // A copy of n bytes takes latency + n * seconds_per_byte (measured per direction).
 //
-// Peak bytes are the largest of these sample points (the meter's, SPEC 6):
+// Peak bytes are the largest of these sample points (the meter's, SPEC 6), with W = 0:
 //  * end of Lk's forward, before its release:    base + kept(L0..Lk-1) + kept(k) + offload(k)
 //  * end of the forward (with the head's saves): base + kept(L0..Ln-1) + tail
 //  * start of Lk's backward, its reloads issued:
 //                                base + kept(L0..Lk) + offload(k) + offload(k-d .. k-1)
+// (With W > 0 the offload bytes of layers still waiting are added to the forward's points,
+// and a layer never offloaded counts as kept.)
 // Host bytes: every offloaded byte is on the host at the end of the forward (the D2H
 // copies of a step all precede its first reload), so the host peak is the sum of the
 // offloads (payload bytes; a capped pool also rounds blocks to size classes).
@@ -65,11 +75,13 @@ struct StepProfile {
   CopyLink d2h;
   CopyLink h2d;
   int prefetch_depth = 1;  // layers reloaded ahead in backward (the engine's setting, >= 0)
+  int offload_window = 0;  // the engine's offload window (>= 0; 0: every release submits)
 
   size_t num_layers() const { return layers.size(); }
   size_t num_options() const { return options.size(); }
   // Throws c10::ValueError (prefixed "hyper_parallel:") for a ragged table, negative bytes
-  // or times, non-finite values, more than 64 options, or a negative prefetch depth.
+  // or times, non-finite values, more than 64 options, or a negative prefetch depth or
+  // offload window.
   void validate() const;
   // The cost of `option` at `layer`, with the last-layer rule applied (its offload bytes
   // become kept bytes).

@@ -175,6 +175,11 @@ void prune_capped(std::vector<Label>& labels, double linear, int64_t bucket, int
 Planner::Planner(StepProfile profile, int64_t byte_quantum, double time_tolerance)
     : profile_(std::move(profile)), quantum_(byte_quantum), tolerance_(time_tolerance) {
   profile_.validate();
+  // The search's costs are those of every release submitting at once; the plans it makes
+  // run that way (ActivationPlan.offload_window = 0).
+  HP_CHECK_VALUE(profile_.offload_window == 0, "the planner solves for offload window 0 (its "
+                 "plans set it when applied); got a profile with offload window ",
+                 profile_.offload_window, ". Set PlannerProfile.offload_window = 0");
   HP_CHECK_VALUE(byte_quantum >= 1, "planner byte quantum must be >= 1, got ", byte_quantum);
   HP_CHECK_VALUE(std::isfinite(time_tolerance) && time_tolerance >= 0.0 && time_tolerance < 1.0,
                  "planner time tolerance must be in [0, 1), got ", time_tolerance);

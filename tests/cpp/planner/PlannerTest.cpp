@@ -272,6 +272,46 @@ TEST(PlannerTest, StallsWhenCopiesOutgrowTheirWindows) {
   EXPECT_FALSE(planner.solve(19).feasible);
 }
 
+TEST(PlannerTest, OffloadWindowKeepsTheLayersWhoseOffloadsWaitAtTheTurn) {
+  // 8 layers of 1 s forward, 1000 offloaded bytes each, D2H 2 s per layer; window 2.
+  // Forward ends: layer k at k + 1. 0 goes at 1 (done 3), 1 at 2 (3..5), 2 at 3 once 0
+  // finished (5..7); 3 waits at 4 (window full) and goes at 5 (7..9); 4 and 5 wait; the
+  // release points of layers 6 and 7 are near the turn, so nothing more goes: 4, 5, 6 stay
+  // on device with the last layer 7.
+  StepProfile p;
+  p.options = {"none", "swap"};
+  for (int k = 0; k < 8; ++k) {
+    p.layers.push_back({OptionCost{1000, 0, 1.0, 2.0}, OptionCost{0, 1000, 1.0, 2.0}});
+  }
+  p.d2h = CopyLink{0.0, 0.002};
+  p.h2d = CopyLink{0.0, 0.001};
+  const std::vector<int> swap_all(8, 1);
+  p.offload_window = 2;
+  const Prediction w = evaluate(p, swap_all);
+  EXPECT_EQ(w.offload_bytes, 4000);
+  EXPECT_EQ(w.host_peak_bytes, 4000);
+  EXPECT_EQ(w.peak_bytes, 4000);  // from the last layer's forward end on: layers 4..7
+  EXPECT_EQ(w.peak_layer, 7);
+  EXPECT_FALSE(w.peak_in_backward);
+  // Backward: 7, 6, 5, 4 need no reload (8 s from the turn at 8); 3's reload is issued
+  // when 4's backward begins (at 14; D2H done 9): 14..15 under 4's backward (14..16);
+  // 2, 1, 0 follow likewise: no stall, 8 + 16 = 24 s.
+  EXPECT_DOUBLE_EQ(w.step_seconds, 24.0);
+  EXPECT_DOUBLE_EQ(w.stall_seconds, 0.0);
+  // Without a window every release submits at once: 7 layers offloaded, the D2H backlog
+  // (done at 3, 5, .., 15) delays the first reloads.
+  p.offload_window = 0;
+  const Prediction fifo = evaluate(p, swap_all);
+  EXPECT_EQ(fifo.offload_bytes, 7000);
+  EXPECT_EQ(fifo.peak_bytes, 2000);
+  EXPECT_GT(fifo.stall_seconds, 0.0);
+  p.offload_window = 2;
+  // The planner solves for window 0 only; a bad window is refused.
+  EXPECT_THROW(Planner{p}, c10::ValueError);
+  p.offload_window = -1;
+  EXPECT_THROW(evaluate(p, swap_all), c10::ValueError);
+}
+
 StepProfile six_options(size_t n, uint32_t seed, double copy_ratio) {
   StepProfile p = synthetic(n, seed, copy_ratio);
   p.options = {"none", "checkpoint", "selective", "swap", "selective_swap", "checkpoint_swap"};

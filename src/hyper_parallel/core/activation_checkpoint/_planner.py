@@ -252,9 +252,20 @@ def _depth(prefetch_depth: int | None) -> int:
     return prefetch_depth
 
 
-def _cpp_profile(profile: ActivationProfile, prefetch_depth: int = 1):
+def _window(offload_window: int | None) -> int:
+    if offload_window is None:
+        return int(_C.offload_window())
+    if isinstance(offload_window, bool) or not isinstance(offload_window, int) \
+            or offload_window < 0:
+        raise ValueError(f"hyper_parallel: offload_window must be an int >= 0 (invocations "
+                         f"with D2H copies in flight; 0: no limit), got {offload_window!r}")
+    return offload_window
+
+
+def _cpp_profile(profile: ActivationProfile, prefetch_depth: int = 1, offload_window: int = 0):
     p = _C.PlannerProfile()
     p.prefetch_depth = int(prefetch_depth)
+    p.offload_window = int(offload_window)
     p.options = list(profile.strategies)
     p.layers = [[_C.PlannerOptionCost(c.kept_bytes, c.offload_bytes, c.forward_seconds,
                                       c.backward_seconds)
@@ -270,11 +281,18 @@ def _cpp_profile(profile: ActivationProfile, prefetch_depth: int = 1):
 
 
 def predict(profile: ActivationProfile, strategies: Sequence[str] | dict, *,
-            prefetch_depth: int | None = None) -> dict:
+            prefetch_depth: int | None = None, offload_window: int | None = None) -> dict:
     """The cost model's prediction for a plan (one strategy per layer, or a dict from layer
-    name to strategy; unlisted layers "none") at ``prefetch_depth`` (default: the
-    engine's current depth): ``peak_bytes``, ``step_seconds``, ``stall_seconds``,
-    ``offload_bytes``, ``host_peak_bytes``."""
+    name to strategy; unlisted layers "none") at ``prefetch_depth`` and ``offload_window``
+    (defaults: the engine's current settings; an :class:`ActivationPlan` runs at window
+    0, and so do the profile's measured steps): ``peak_bytes``, ``step_seconds``,
+    ``stall_seconds``, ``offload_bytes`` (bytes copied each way per step),
+    ``host_peak_bytes``.
+
+    Raises:
+        ValueError: a strategy that was not profiled, or a negative or non-int depth or
+            window.
+    """
     if isinstance(strategies, dict):
         strategies = [strategies.get(n, "none") for n in profile.layer_names]
     index = {s: i for i, s in enumerate(profile.strategies)}
@@ -282,15 +300,16 @@ def predict(profile: ActivationProfile, strategies: Sequence[str] | dict, *,
     if missing:
         raise ValueError(f"hyper_parallel: strategies {missing} were not profiled (profiled: "
                          f"{', '.join(profile.strategies)})")
-    return dict(_C.planner_evaluate(_cpp_profile(profile, _depth(prefetch_depth)),
-                                    [index[s] for s in strategies]))
+    return dict(_C.planner_evaluate(
+        _cpp_profile(profile, _depth(prefetch_depth), _window(offload_window)),
+        [index[s] for s in strategies]))
 
 
 def _plan(profile: ActivationProfile, assignment: list[int], prediction: dict,
           budget: int, depth: int, host_budget: int | None, stats: dict | None = None) \
         -> ActivationPlan:
     names = [profile.strategies[i] for i in assignment]
-    none = predict(profile, ["none"] * len(names), prefetch_depth=depth)
+    none = predict(profile, ["none"] * len(names), prefetch_depth=depth, offload_window=0)
     n = len(names)
     rows = []
     for k, (layer, s) in enumerate(zip(profile.layer_names, names)):

@@ -398,3 +398,23 @@ def test_infeasible_error_suggests_only_candidates_not_given(profiled):
     with pytest.raises(InfeasibleBudgetError) as err:
         plan_from_profile(prof, 1024, candidates=["none"])
     assert "allow more candidates (e.g. checkpoint_swap, checkpoint)" in str(err.value)
+
+
+def test_predict_models_the_engine_offload_window(profiled):
+    # With a link far slower than the forwards, a window of 1 keeps the layers whose
+    # offloads still wait at the turn on the device: fewer bytes offloaded, a higher peak
+    # than with every release submitting at once (the schedule the profile measured).
+    import copy
+    import dataclasses
+
+    _model, _x, prof = profiled
+    slow = copy.copy(prof)
+    slow.d2h = dataclasses.replace(prof.d2h, seconds_per_byte=1e-3)
+    fifo = predict(slow, ["swap"] * 4, offload_window=0)
+    windowed = predict(slow, ["swap"] * 4, offload_window=1)
+    assert predict(slow, ["swap"] * 4) == fifo  # conftest pins the engine's window to 0
+    assert 0 < windowed["offload_bytes"] < fifo["offload_bytes"]
+    assert windowed["peak_bytes"] > fifo["peak_bytes"]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="hyper_parallel: offload_window"):
+            predict(prof, ["swap"] * 4, offload_window=bad)
