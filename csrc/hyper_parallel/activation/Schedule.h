@@ -42,6 +42,12 @@ class Schedule {
   bool scheduled(int64_t layer) const { return has_successor(layer) || has_predecessor(layer); }
   int64_t successor(int64_t layer) const;
   int64_t predecessor(int64_t layer) const;
+  // Whether `layer` is one of the last two layers of a chain (the last layer, or the one
+  // whose successor is the last): its release point is the last before the turn.
+  bool near_end(int64_t layer) const {
+    return has_predecessor(layer) &&
+           (!has_successor(layer) || !has_successor(successor(layer)));
+  }
 
   // Records a new invocation of group->layer() and links it to its predecessor's.
   void on_begin(const std::shared_ptr<SwapGroup>& group);

@@ -841,13 +841,9 @@ void SwapEngine::pump_offloads_locked(const SwapGroup& ending) {
   // does everything queued behind it: the link is behind by a full window, so its copy
   // would end after the turn, lower no peak, and hold up the reloads wanted first in
   // backward (docs/design.md, "Offload window").
-  if (!queue.empty() && queue.front().lock().get() != &ending) {
-    const int64_t layer = ending.layer();
-    if (schedule_.has_predecessor(layer) &&
-        (!schedule_.has_successor(layer) ||
-         !schedule_.has_successor(schedule_.successor(layer)))) {
-      return;
-    }
+  if (!queue.empty() && queue.front().lock().get() != &ending &&
+      schedule_.near_end(ending.layer())) {
+    return;
   }
   const size_t window = static_cast<size_t>(options_.offload_window);
   while (!queue.empty()) {

@@ -1043,30 +1043,47 @@ TEST(SwapEngineTest, KeptOnDeviceIsCountedAtBackwardStart) {
 }
 
 
+// One forward over a chain: each layer saves one fresh tensor of `numel` floats, then ends
+// its forward (its release point); `before_end(i, f)` runs just before layer i's end.
+struct ChainForward {
+  std::vector<std::shared_ptr<SwapGroup>> groups;
+  std::vector<std::shared_ptr<SavedHandle>> handles;
+  std::vector<at::Tensor> expected;  // clones of the saved tensors
+};
+
+ChainForward forward_chain(SwapEngine& engine, const std::vector<int64_t>& layers, int64_t numel,
+                           const std::function<void(size_t, const ChainForward&)>& before_end = {}) {
+  ChainForward f;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    f.groups.push_back(begin(engine, layers[i]));
+    at::Tensor t = at::randn({numel});
+    f.expected.push_back(t.clone());
+    f.handles.push_back(pack(engine, f.groups.back(), t));
+    t.reset();
+    if (before_end) before_end(i, f);
+    engine.end_forward(f.groups.back());
+  }
+  return f;
+}
+
+// The backward of forward_chain's layers, last first; every unpack is bitwise the saved tensor.
+void backward_chain(SwapEngine& engine, const ChainForward& f) {
+  for (size_t i = f.groups.size(); i-- > 0;) {
+    engine.backward_begin(f.groups[i]);
+    EXPECT_TRUE(same(engine.unpack(*f.handles[i]), f.expected[i])) << i;
+  }
+}
+
 TEST(SwapEngineTest, OffloadWindowKeepsTrailingLayersResidentWhenTheLinkFallsBehind) {
   // 40 KB per layer at 2500 ns/B: 100 ms per offload; the forward below takes microseconds.
   SwapEngine engine(cpu_options(2500.0, /*offload_window=*/2));
-  auto layers = make_chain(engine, 5);
-  std::vector<std::shared_ptr<SwapGroup>> groups;
-  std::vector<std::shared_ptr<SavedHandle>> handles;
-  std::vector<at::Tensor> expected;
-  for (int64_t layer : layers) {
-    groups.push_back(begin(engine, layer));
-    at::Tensor t = at::randn({10000});
-    expected.push_back(t.clone());
-    handles.push_back(pack(engine, groups.back(), t));
-    t.reset();
-    engine.end_forward(groups.back());
-  }
+  const ChainForward f = forward_chain(engine, make_chain(engine, 5), 10000);
   // Layers 0 and 1 fill the window; 2 and 3 wait; 4 is the last layer.
-  EXPECT_TRUE(off_device(*handles[0]));
-  EXPECT_TRUE(off_device(*handles[1]));
-  EXPECT_FALSE(off_device(*handles[2]));
-  EXPECT_FALSE(off_device(*handles[3]));
-  for (int i = 5; i-- > 0;) {
-    engine.backward_begin(groups[i]);
-    EXPECT_TRUE(same(engine.unpack(*handles[i]), expected[i])) << i;
-  }
+  EXPECT_TRUE(off_device(*f.handles[0]));
+  EXPECT_TRUE(off_device(*f.handles[1]));
+  EXPECT_FALSE(off_device(*f.handles[2]));
+  EXPECT_FALSE(off_device(*f.handles[3]));
+  backward_chain(engine, f);
   SwapStats s = engine.stats();
   EXPECT_EQ(s.offload_count, 2);
   EXPECT_EQ(s.reload_count, 2);
@@ -1082,31 +1099,19 @@ TEST(SwapEngineTest, OffloadWindowSubmitsNoWaitingOffloadNearTheTurn) {
   // turn (the release points of layers 4 and 5 of a 6-layer chain) the waiting offload is
   // still not submitted.
   SwapEngine engine(cpu_options(250.0, /*offload_window=*/1));
-  auto layers = make_chain(engine, 6);
-  std::vector<std::shared_ptr<SwapGroup>> groups;
-  std::vector<std::shared_ptr<SavedHandle>> handles;
-  std::vector<at::Tensor> expected;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    groups.push_back(begin(engine, layers[i]));
-    at::Tensor t = at::randn({10000});
-    expected.push_back(t.clone());
-    handles.push_back(pack(engine, groups.back(), t));
-    t.reset();
-    if (i >= 2 && i <= 4) engine.wait_offload(groups[i - 2]);  // a slot frees
-    engine.end_forward(groups.back());
-  }
+  const ChainForward f =
+      forward_chain(engine, make_chain(engine, 6), 10000, [&](size_t i, const ChainForward& g) {
+        if (i >= 2 && i <= 4) engine.wait_offload(g.groups[i - 2]);  // a slot frees
+      });
   // 0 went at once; 1 waited and went at layer 2's release point, 2 at layer 3's. 3 waited
   // and stays: a slot is free at layer 4's release point (its successor is the last layer)
   // and at layer 5's (the last layer), but those are near the turn; 4 queued behind 3.
-  EXPECT_TRUE(off_device(*handles[0]));
-  EXPECT_TRUE(off_device(*handles[1]));
-  EXPECT_TRUE(off_device(*handles[2]));
-  EXPECT_FALSE(off_device(*handles[3]));
-  EXPECT_FALSE(off_device(*handles[4]));
-  for (int i = 6; i-- > 0;) {
-    engine.backward_begin(groups[i]);
-    EXPECT_TRUE(same(engine.unpack(*handles[i]), expected[i])) << i;
-  }
+  EXPECT_TRUE(off_device(*f.handles[0]));
+  EXPECT_TRUE(off_device(*f.handles[1]));
+  EXPECT_TRUE(off_device(*f.handles[2]));
+  EXPECT_FALSE(off_device(*f.handles[3]));
+  EXPECT_FALSE(off_device(*f.handles[4]));
+  backward_chain(engine, f);
   SwapStats s = engine.stats();
   EXPECT_EQ(s.offload_count, 3);
   EXPECT_EQ(s.reload_count, 3);
@@ -1118,24 +1123,14 @@ TEST(SwapEngineTest, OffloadWindowNearTheTurnStillSubmitsALayerThatDidNotWait) {
   // A fast link (no delay): nothing waits, so the release point before the last layer
   // still offloads its own layer at once when the window has a free slot.
   SwapEngine engine(cpu_options(0.0, /*offload_window=*/1));
-  auto layers = make_chain(engine, 3);
-  std::vector<std::shared_ptr<SwapGroup>> groups;
-  std::vector<std::shared_ptr<SavedHandle>> handles;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    groups.push_back(begin(engine, layers[i]));
-    at::Tensor t = at::randn({1000});
-    handles.push_back(pack(engine, groups.back(), t));
-    t.reset();
-    if (i >= 1) engine.wait_offload(groups[i - 1]);
-    engine.end_forward(groups.back());
-  }
-  EXPECT_TRUE(off_device(*handles[0]));
-  EXPECT_TRUE(off_device(*handles[1]));  // its successor is the last layer
-  EXPECT_FALSE(off_device(*handles[2]));
-  for (int i = 3; i-- > 0;) {
-    engine.backward_begin(groups[i]);
-    engine.unpack(*handles[i]);
-  }
+  const ChainForward f =
+      forward_chain(engine, make_chain(engine, 3), 1000, [&](size_t i, const ChainForward& g) {
+        if (i >= 1) engine.wait_offload(g.groups[i - 1]);
+      });
+  EXPECT_TRUE(off_device(*f.handles[0]));
+  EXPECT_TRUE(off_device(*f.handles[1]));  // its successor is the last layer
+  EXPECT_FALSE(off_device(*f.handles[2]));
+  backward_chain(engine, f);
   EXPECT_EQ(engine.stats().offload_count, 2);
 }
 
