@@ -25,7 +25,7 @@ void StepProfile::validate() const {
                    options.size(), ")");
     for (size_t o = 0; o < options.size(); ++o) {
       const OptionCost& c = layers[k][o];
-      HP_CHECK_VALUE(c.kept_bytes >= 0 && c.offload_bytes >= 0, "layer ", k, " option '",
+      HP_CHECK_VALUE(c.kept_bytes >= 0 && c.offload_bytes >= 0 && c.deferred_bytes >= 0, "layer ", k, " option '",
                      options[o], "' has negative bytes");
       HP_CHECK_VALUE(good_seconds(c.forward_seconds) && good_seconds(c.backward_seconds),
                      "layer ", k, " option '", options[o],
@@ -48,8 +48,9 @@ void StepProfile::validate() const {
 OptionCost StepProfile::effective(size_t layer, size_t option) const {
   OptionCost c = layers[layer][option];
   if (layer + 1 == layers.size()) {
-    c.kept_bytes += c.offload_bytes;
+    c.kept_bytes += c.offload_bytes + c.deferred_bytes;
     c.offload_bytes = 0;
+    c.deferred_bytes = 0;
   }
   return c;
 }
@@ -75,66 +76,80 @@ Prediction evaluate(const StepProfile& p, const std::vector<int>& assignment) {
   };
   out.peak_layer = -2;  // nothing considered yet
 
-  // Forward, event by event: release points, the offload window, the FIFO D2H stream.
+  // Forward, event by event: release points, the offload window, deferred bytes, the FIFO
+  // D2H stream. sent[i]: bytes of Li that left the device (reloaded before its backward).
   HP_CHECK_VALUE(p.offload_window >= 0, "profile offload window must be >= 0, got ",
                  p.offload_window);
   const size_t w = static_cast<size_t>(p.offload_window);
   double t = 0.0;
   double d2h_free = 0.0;
   std::vector<double> d2h_done(n, 0.0);
+  std::vector<int64_t> sent(n, 0);
   std::deque<size_t> waiting;      // released, offload not submitted yet (oldest first)
+  std::vector<size_t> deferred;    // deferred bytes not offloaded yet (oldest first)
   std::deque<double> in_flight;    // completion times of submitted copies, in order
-  int64_t waiting_bytes = 0;
-  int64_t kept = 0;                // kept bytes of the layers whose forward ended
+  int64_t resident = 0;            // bytes of the layers whose forward ended, on the device
+  bool chained = false;            // some layer swaps: every layer has a release point
+  for (size_t k = 0; k < n; ++k) {
+    chained = chained || p.layers[k][static_cast<size_t>(assignment[k])].group_bytes() > 0;
+  }
   double busy = 0.0;
-  auto submit = [&](size_t i) {
-    d2h_done[i] = std::max(t, d2h_free) + p.d2h.seconds(c[i].offload_bytes);
+  // `windowed`: a submission the offload window counts (a deferred retry is not one).
+  auto copy = [&](size_t i, int64_t bytes, bool windowed) {
+    if (bytes <= 0) return;
+    d2h_done[i] = std::max(t, d2h_free) + p.d2h.seconds(bytes);
     d2h_free = d2h_done[i];
-    in_flight.push_back(d2h_done[i]);
-    waiting_bytes -= c[i].offload_bytes;
-    out.offload_bytes += c[i].offload_bytes;
+    if (windowed) in_flight.push_back(d2h_done[i]);
+    sent[i] += bytes;
+    resident -= bytes;
+    out.offload_bytes += bytes;
   };
   for (size_t k = 0; k < n; ++k) {
     t += c[k].forward_seconds;
     busy += c[k].forward_seconds + c[k].backward_seconds;
-    consider(p.base_bytes + kept + waiting_bytes + c[k].kept_bytes + c[k].offload_bytes,
-             static_cast<int>(k), false);
-    kept += c[k].kept_bytes;
-    if (c[k].offload_bytes > 0) {
-      waiting.push_back(k);
-      waiting_bytes += c[k].offload_bytes;
-    }
-    // A release point: only a layer whose option opens a swap region has one.
-    if (p.layers[k][static_cast<size_t>(assignment[k])].offload_bytes == 0) continue;
+    consider(p.base_bytes + resident + c[k].saved_bytes(), static_cast<int>(k), false);
+    resident += c[k].saved_bytes();
+    // A release point (every layer of a plan that swaps: CostModel.h).
+    if (!chained) continue;
+    if (c[k].offload_bytes > 0 || c[k].deferred_bytes > 0) waiting.push_back(k);
     const bool near_turn = k + 2 >= n;
-    if (w > 0 && near_turn && !waiting.empty() && waiting.front() != k) continue;
-    while (!waiting.empty()) {
+    const bool hold = w > 0 && near_turn && !waiting.empty() && waiting.front() != k;
+    while (!hold && !waiting.empty()) {
       while (!in_flight.empty() && in_flight.front() <= t) in_flight.pop_front();
       if (w > 0 && in_flight.size() >= w) break;
-      submit(waiting.front());
+      const size_t i = waiting.front();
       waiting.pop_front();
+      // Submitted at its own release point, a layer's deferred bytes are still held by
+      // the caller; submitted later, they go with the rest.
+      copy(i, c[i].offload_bytes + (i < k ? c[i].deferred_bytes : 0), true);
+      if (i == k && c[k].deferred_bytes > 0) deferred.push_back(k);
     }
+    // Deferred bytes of earlier layers leave now, whatever the window, and do not count
+    // in it (SwapEngine::retry_deferred_locked).
+    std::vector<size_t> still;
+    for (size_t i : deferred) {
+      if (i < k) copy(i, c[i].deferred_bytes, false);
+      else still.push_back(i);
+    }
+    deferred.swap(still);
   }
-  // Offloads still waiting at the turn never happen: those layers keep their bytes.
-  for (size_t i : waiting) {
-    c[i].kept_bytes += c[i].offload_bytes;
-    c[i].offload_bytes = 0;
-  }
-  kept += waiting_bytes;
-  consider(p.base_bytes + kept + p.tail_bytes, -1, false);
+  // Offloads still waiting at the turn never happen: those bytes stay (and reload nothing).
+  waiting.clear();
+  deferred.clear();
+  consider(p.base_bytes + resident + p.tail_bytes, -1, false);
   // Reloads issued at the start of Lk's backward and still held: Lk-d .. Lk.
   const size_t depth = static_cast<size_t>(p.prefetch_depth);
-  int64_t below = kept;   // kept bytes of L0..Lk
-  int64_t window = 0;     // offload bytes of Lk-d .. Lk
+  int64_t below = resident;  // bytes of L0..Lk on the device (not sent)
+  int64_t window = 0;        // sent bytes of Lk-d .. Lk
   for (size_t k = n; k-- > 0;) {
     if (k + 1 == n) {
-      for (size_t i = k + 1 > depth ? k - depth : 0; i <= k; ++i) window += c[i].offload_bytes;
+      for (size_t i = k + 1 > depth ? k - depth : 0; i <= k; ++i) window += sent[i];
     } else {
-      window -= c[k + 1].offload_bytes;
-      if (k >= depth) window += c[k - depth].offload_bytes;
+      window -= sent[k + 1];
+      if (k >= depth) window += sent[k - depth];
     }
     consider(p.base_bytes + below + window, static_cast<int>(k), true);
-    below -= c[k].kept_bytes;
+    below -= c[k].saved_bytes() - sent[k];
   }
   out.host_peak_bytes = out.offload_bytes;
   t += p.tail_seconds;
@@ -148,12 +163,12 @@ Prediction evaluate(const StepProfile& p, const std::vector<int>& assignment) {
     const size_t lowest = k >= depth ? k - depth : 0;
     for (; issued > lowest;) {
       const size_t i = --issued;
-      if (c[i].offload_bytes == 0) continue;
+      if (sent[i] == 0) continue;
       const double start = std::max({trig, d2h_done[i], h2d_free});
-      h2d_free = start + p.h2d.seconds(c[i].offload_bytes);
+      h2d_free = start + p.h2d.seconds(sent[i]);
       h2d_done[i] = h2d_free;
     }
-    const double begin = c[k].offload_bytes > 0 ? std::max(trig, h2d_done[k]) : trig;
+    const double begin = sent[k] > 0 ? std::max(trig, h2d_done[k]) : trig;
     trig = begin + c[k].backward_seconds;
   }
   const double begin = trig;

@@ -14,24 +14,35 @@
 //    stream (FIFO, in that order), each once its D2H copy has finished; Lk's backward
 //    computes once both its gradient and its reload are there (a reload longer than its
 //    window stalls the step). With d = 0 every reload is fully exposed.
+//  * deferred bytes: what a release point cannot offload because the caller still holds it
+//    (SwapEngine's deferred frees: a decoder loop holds a layer's input until the layer
+//    returns) is offloaded at the next release point, after that point's own offloads
+//    and outside the offload window (SwapEngine::retry_deferred_locked), and reloaded
+//    with its own layer. Deferred bytes with no release point after them before the turn
+//    stay on the device.
 //  * the last layer offloads nothing; its bytes stay on the device.
+//  * release points: in a plan where any layer swaps, every layer is on the prefetch chain
+//    and the end of every layer's forward is a release point, whatever its strategy
+//    (apply_activation_memory chains them all: each gets a swap group).
 //  * offload window W (SwapEngine's offload_window; 0 = none): a release point submits
 //    queued offloads, oldest first, only while fewer than W submitted copies are unfinished
-//    at that moment; the rest wait for a later release point (a layer whose raw option
-//    offloads, i.e. one with a swap region), and at the release points of the last two
+//    at that moment; the rest wait for a later release point, and at the release points of the last two
 //    layers a queue whose oldest entry is not the layer ending there stays as it is. An
 //    offload still waiting at the turn never happens: its bytes count as kept until its
 //    backward and it reloads nothing. A waiting layer's bytes count on the device until
 //    its offload is submitted. (docs/design.md, "Offload window".)
 // A copy of n bytes takes latency + n * seconds_per_byte (measured per direction).
 //
-// Peak bytes are the largest of these sample points (the meter's, SPEC 6), with W = 0:
-//  * end of Lk's forward, before its release:    base + kept(L0..Lk-1) + kept(k) + offload(k)
-//  * end of the forward (with the head's saves): base + kept(L0..Ln-1) + tail
+// Peak bytes are the largest of these sample points (the meter's, SPEC 6), with W = 0 and
+// sent(i) the bytes of Li that left the device in the forward (its offload, plus its
+// deferred bytes once a later release point took them):
+//  * end of Lk's forward, before its release:
+//                      base + (bytes of L0..Lk-1 still on the device) + saved(k)
+//  * end of the forward (with the head's saves): base + saved(L0..Ln-1) - sent(L0..Ln-1) + tail
 //  * start of Lk's backward, its reloads issued:
-//                                base + kept(L0..Lk) + offload(k) + offload(k-d .. k-1)
-// (With W > 0 the offload bytes of layers still waiting are added to the forward's points,
-// and a layer never offloaded counts as kept.)
+//                      base + saved(L0..Lk) - sent(L0..Lk) + sent(k-d .. k)
+// (With W > 0 the offload bytes of layers still waiting count on the device; a layer
+// never offloaded counts as kept.)
 // Host bytes: every offloaded byte is on the host at the end of the forward (the D2H
 // copies of a step all precede its first reload), so the host peak is the sum of the
 // offloads (payload bytes; a capped pool also rounds blocks to size classes).
@@ -47,12 +58,20 @@
 namespace hyper_parallel::planner {
 
 // The cost of one strategy ("option") for one layer, as profiled.
+// A layer's saved bytes (saved = kept + offload + deferred) split by when they leave the
+// device; offload + deferred is what its group reloads before its backward.
 struct OptionCost {
-  int64_t kept_bytes = 0;     // saved bytes on device from its forward to its backward
-  int64_t offload_bytes = 0;  // saved bytes offloaded at its release point, reloaded before
-                              // its backward (0 for strategies that do not swap)
+  int64_t kept_bytes = 0;      // saved bytes on device from its forward to its backward
+  int64_t offload_bytes = 0;   // saved bytes offloaded at its own release point (0 for
+                               // strategies that do not swap)
   double forward_seconds = 0.0;
   double backward_seconds = 0.0;  // including any recompute
+  int64_t deferred_bytes = 0;  // saved bytes its release point defers because the caller
+                               // still holds them (the layer's input, in a decoder loop):
+                               // offloaded at the next release point, reloaded with this
+                               // layer (docs/design.md, "Deferred inputs")
+  int64_t saved_bytes() const { return kept_bytes + offload_bytes + deferred_bytes; }
+  int64_t group_bytes() const { return offload_bytes + deferred_bytes; }
 };
 
 // One direction of the copy link: a copy of n bytes takes latency + n * seconds_per_byte.
@@ -83,8 +102,8 @@ struct StepProfile {
   // or times, non-finite values, more than 64 options, or a negative prefetch depth or
   // offload window.
   void validate() const;
-  // The cost of `option` at `layer`, with the last-layer rule applied (its offload bytes
-  // become kept bytes).
+  // The cost of `option` at `layer`, with the last-layer rule applied (its offload and
+  // deferred bytes become kept bytes).
   OptionCost effective(size_t layer, size_t option) const;
 };
 
@@ -92,7 +111,8 @@ struct Prediction {
   int64_t peak_bytes = 0;       // largest saved-activation bytes on device
   double step_seconds = 0.0;    // forward + backward of one step
   double stall_seconds = 0.0;   // part of step_seconds spent waiting for copies
-  int64_t offload_bytes = 0;    // bytes copied to the host (and back) per step
+  int64_t offload_bytes = 0;    // bytes copied to the host (and back) per step (deferred
+                                // bytes included)
   int64_t host_peak_bytes = 0;  // bytes on the host at the end of the forward (their sum)
   int peak_layer = -1;          // layer of the peak sample point (-1: the tail)
   bool peak_in_backward = false;

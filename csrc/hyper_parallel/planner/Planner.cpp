@@ -27,6 +27,7 @@ struct Label {
   int32_t parent;  // index among the previous layer's labels
   int16_t option;
   int8_t phase;
+  int64_t pending = 0;  // deferred bytes of the layer just decided (still on the device)
 };
 
 struct Back {
@@ -65,7 +66,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     return a.host < b.host;
   });
   struct Front {
-    int64_t host, off;
+    int64_t host, off, pending;
     double time, backlog;
   };
   std::vector<Front> front;
@@ -87,7 +88,8 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
       const double extra = f.backlog >= linear && l.backlog >= linear
                                ? f.backlog - l.backlog
                                : std::max(0.0, f.backlog - l.backlog);
-      if (f.host <= l.host && f.off <= off && f.time + extra <= l.time + eps) {
+      if (f.host <= l.host && f.off <= off && f.pending <= l.pending &&
+          f.time + extra <= l.time + eps) {
         dominated = true;
         break;
       }
@@ -102,10 +104,10 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
                                          ? l.backlog - f.backlog
                                          : std::max(0.0, l.backlog - f.backlog);
                                  return l.host <= f.host && off <= f.off &&
-                                        l.time + extra <= f.time;
+                                        l.pending <= f.pending && l.time + extra <= f.time;
                                }),
                 front.end());
-    front.push_back(Front{l.host, off, l.time, l.backlog});
+    front.push_back(Front{l.host, off, l.pending, l.time, l.backlog});
     ++same_kept;
     labels[out++] = l;
   }
@@ -128,7 +130,9 @@ void prune_capped(std::vector<Label>& labels, double linear, int64_t bucket, int
     return code_bytes == nullptr ? 0 : (*code_bytes)[l.code];
   };
   auto dominates = [&](const Label& a, const Label& b) {
-    if (a.kept > b.kept || a.host > b.host || off_of(a) > off_of(b)) return false;
+    if (a.kept > b.kept || a.host > b.host || off_of(a) > off_of(b) || a.pending > b.pending) {
+      return false;
+    }
     if (code_bytes == nullptr && a.code != b.code) return false;
     const double extra = a.backlog >= linear && b.backlog >= linear
                              ? a.backlog - b.backlog
@@ -188,7 +192,7 @@ Planner::Planner(StepProfile profile, int64_t byte_quantum, double time_toleranc
   class_bytes_.assign(n, std::vector<int64_t>{0});
   for (size_t k = 0; k < n; ++k) {
     for (size_t o = 0; o < s; ++o) {
-      const int64_t off = profile_.effective(k, o).offload_bytes;
+      const int64_t off = profile_.effective(k, o).group_bytes();
       auto& bytes = class_bytes_[k];
       auto it = std::find(bytes.begin(), bytes.end(), off);
       if (it == bytes.end()) it = bytes.insert(bytes.end(), off);
@@ -302,7 +306,7 @@ double Planner::relaxed_bound(int64_t budget, const std::vector<uint64_t>& allow
     for (size_t o = 0; o < s; ++o) {
       if (!(allowed[k] >> o & 1)) continue;
       const OptionCost c = p.effective(k, o);
-      const int64_t off = c.offload_bytes;
+      const int64_t off = c.group_bytes();
       const double work = c.forward_seconds + c.backward_seconds +
                           kTrafficSecondsPerByte * static_cast<double>(off) +
                           (exposed ? p.h2d.seconds(off) : 0.0);
@@ -379,7 +383,7 @@ PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_
     int64_t most = 0;
     for (size_t o = 0; o < p.num_options(); ++o) {
       const OptionCost c = p.effective(k, o);
-      most = std::max(most, c.kept_bytes + c.offload_bytes);
+      most = std::max(most, c.saved_bytes());
     }
     hi += round_up(2 * most, quantum_) + quantum_;
   }
@@ -445,7 +449,7 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
       for (size_t o = 0; o < s; ++o) {
         if (!(allowed[j] >> o & 1)) continue;
         const OptionCost c = p.effective(j, o);
-        v = std::min(v, c.forward_seconds - p.d2h.seconds(c.offload_bytes));
+        v = std::min(v, c.forward_seconds - p.d2h.seconds(c.group_bytes()));
       }
       net[j] = v;
     }
@@ -482,13 +486,19 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
         window += off;
         if (i == 0) prev_off = off;
       }
-      const int64_t held = p.base_bytes + base.kept;
+      // The previous layer's deferred bytes are on the device until Lk's release point
+      // (Planner.h, deferred bytes).
+      const int64_t pending =
+          k > 0 && base.option >= 0
+              ? p.layers[k - 1][static_cast<size_t>(base.option)].deferred_bytes
+              : 0;
       for (size_t o = 0; o < s; ++o) {
         if (!(allowed[k] >> o & 1)) continue;
         const OptionCost& c = cost[o];
-        const int64_t off = c.offload_bytes;
+        const int64_t off = c.group_bytes();
+        const int64_t held = p.base_bytes + base.kept;
         // The sample points of CostModel.h that involve layer k.
-        if (held + c.kept_bytes + off > budget) continue;                // end of its forward
+        if (held + pending + c.kept_bytes + off > budget) continue;      // end of its forward
         if (held + c.kept_bytes + off + window > budget) continue;       // start of its backward
         if (last && held + c.kept_bytes + p.tail_bytes > budget) continue;  // end of forward
         if (base.host + off > host_cap) continue;
@@ -499,7 +509,8 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
                 host_budget < 0 ? 0 : round(base.host + off, quantum),
                 0.0, 0.0,
                 depth > 0 ? class_of_[k][o] + radix_ * (base.code % keep_mod) : 0,
-                static_cast<int32_t>(li), static_cast<int16_t>(o), kNoOffload};
+                static_cast<int32_t>(li), static_cast<int16_t>(o), kNoOffload,
+                c.deferred_bytes};
         if (memory_only) {
           next.push_back(l);
           continue;

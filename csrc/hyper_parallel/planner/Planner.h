@@ -41,6 +41,17 @@
 // only grows), unless solve() falls back (below) and the fallback's plan is not proven
 // optimal.
 //
+// Deferred bytes (OptionCost::deferred_bytes, a layer input its caller still holds at the
+// layer's release point; they leave at the next layer's release point): their bytes are
+// exact (the next layer's forward sample point counts them, the label carrying its last
+// layer's deferred bytes; fewer is no worse), their time is not: a layer's group bytes
+// (offload + deferred) are its offload class and are timed as if they all left at its own
+// release point, while the deferred copy really queues one release point later, behind
+// the next layer's own offload. So with deferred bytes the plan meets its budgets and is
+// the fastest by the search's timing, which can differ from evaluate()'s by that copy's
+// shift (PlannerTest measures the loss against brute force); without them the search is
+// exact as below.
+//
 // The fallback and its bound: when the copies saturate the link (say 2x a forward over
 // 100 layers) the exact fronts reach 10^5-10^6 labels per layer, the (time, backlog)
 // trade-off being real at every kept value. solve() gives the exact search up once a

@@ -268,7 +268,7 @@ def _cpp_profile(profile: ActivationProfile, prefetch_depth: int = 1, offload_wi
     p.offload_window = int(offload_window)
     p.options = list(profile.strategies)
     p.layers = [[_C.PlannerOptionCost(c.kept_bytes, c.offload_bytes, c.forward_seconds,
-                                      c.backward_seconds)
+                                      c.backward_seconds, deferred_bytes=c.deferred_bytes)
                  for c in (profile.costs[s][k] for s in profile.strategies)]
                 for k in range(len(profile.layer_names))]
     p.base_bytes = int(profile.base_bytes)
@@ -314,7 +314,7 @@ def _plan(profile: ActivationProfile, assignment: list[int], prediction: dict,
     rows = []
     for k, (layer, s) in enumerate(zip(profile.layer_names, names)):
         c, base = profile.costs[s][k], profile.costs["none"][k]
-        kept, off = c.kept_bytes, c.offload_bytes
+        kept, off = c.kept_bytes, c.group_bytes
         if k == n - 1:
             kept, off = kept + off, 0
         recomputed = max(0, base.kept_bytes - kept - off) if STRATEGIES[s].recomputes else 0

@@ -12,6 +12,16 @@ cost model of ``csrc/hyper_parallel/planner/CostModel.h`` needs:
   the layer's backward);
 * ``offload_bytes``: bytes the engine queued for the host at the layer's release point
   (``SwapManager().stats()["offload_bytes"]`` over the forward);
+* ``deferred_bytes``: bytes of the layer's saved tensors that its release point could not
+  offload because the caller still held them (a decoder loop holds the layer's input
+  until the layer returns) and that a later release point offloaded; they are reloaded
+  with this layer. The engine's timeline (``activation_trace``) attributes each offload
+  to its layer: a copy of layer k queued after layer k+1's forward began is deferred.
+  ``kept_bytes`` and ``offload_bytes`` are then this layer's own (the counters over the
+  layer's forward would count the previous layer's deferred input here). When the
+  timeline cannot say (another ``activation_trace`` is recording, or the swap regions do
+  not map one to one onto the layers) the counters' figures stand and the cost model
+  sees each deferred input one layer late, holding it one backward too long;
 * ``forward_seconds`` / ``backward_seconds``: wall time between hooks (the backward from
   the gradient of the layer's output to that of its input), minus the time the engine
   reports it stalled on reloads there; on an accelerator each hook synchronizes.
@@ -60,6 +70,17 @@ class LayerCost:
     offload_bytes: int
     forward_seconds: float
     backward_seconds: float
+    deferred_bytes: int = 0
+
+    @property
+    def saved_bytes(self) -> int:
+        """Everything the layer saved for backward (kept + offloaded + deferred)."""
+        return self.kept_bytes + self.offload_bytes + self.deferred_bytes
+
+    @property
+    def group_bytes(self) -> int:
+        """Bytes that leave the device and are reloaded before the layer's backward."""
+        return self.offload_bytes + self.deferred_bytes
 
 
 @dataclass
@@ -444,14 +465,55 @@ def fit_copy_link(points: Sequence[tuple[int, float]]) -> CopyLink:
 @contextlib.contextmanager
 def _copy_trace(into: dict[str, list[tuple[int, float]]] | None):
     """Records the engine's copies of the enclosed code into ``into`` (per direction,
-    :func:`_copy_points`); does nothing when ``into`` is None."""
+    :func:`_copy_points`) and yields a list that holds the timeline's items once the block
+    is left; does nothing (yields None) when ``into`` is None."""
     if into is None:
-        yield
+        yield None
         return
+    items: list[dict] = []
     with activation_trace() as trace:
-        yield
+        yield items
+    items += trace.items
     for direction, pts in _copy_points(trace.items).items():
         into[direction] += pts
+
+
+def attribute_offloads(costs: list[LayerCost], items: list[dict]) -> bool:
+    """Moves each offload to the layer whose saved tensors it copied, from the timeline
+    ``items`` of one step (:class:`ActivationTrace` items): an offload labelled with
+    layer k's group and queued after layer k+1's forward began is layer k's deferred
+    bytes; the rest of k's offloads are its own. ``kept_bytes`` becomes what the layer
+    saved (kept + offloaded over its forward, as counted) less both. Layers map to groups
+    by the order of the groups' forwards on the timeline.
+
+    Returns False and changes nothing when the timeline does not map one group to each
+    layer, names a group that is not a layer, or disagrees with the counted bytes."""
+    n = len(costs)
+    forwards = sorted((i for i in items if i["kind"] == "forward"), key=lambda i: i["start_ns"])
+    labels = [i["label"] for i in forwards]
+    if len(labels) != n or len(set(labels)) != n:
+        return False
+    index = {label: k for k, label in enumerate(labels)}
+    starts = [i["start_ns"] for i in forwards]
+    own, deferred = [0] * n, [0] * n
+    for it in items:
+        if it["kind"] != "copy" or it["stream"] != "d2h":
+            continue
+        k = index.get(it["label"])
+        if k is None:
+            return False
+        if k + 1 < n and it["enqueue_ns"] >= starts[k + 1]:
+            deferred[k] += int(it["bytes"])
+        else:
+            own[k] += int(it["bytes"])
+    if sum(own) + sum(deferred) != sum(c.offload_bytes for c in costs):
+        return False
+    kept = [c.kept_bytes + c.offload_bytes - own[k] - deferred[k] for k, c in enumerate(costs)]
+    if min(kept) < 0:
+        return False
+    for k, c in enumerate(costs):
+        c.kept_bytes, c.offload_bytes, c.deferred_bytes = kept[k], own[k], deferred[k]
+    return True
 
 
 def _trace_free() -> bool:
@@ -519,7 +581,8 @@ def _typical(runs: list[dict]) -> dict:
     out = dict(runs[-1])
     out["costs"] = [LayerCost(c.kept_bytes, c.offload_bytes,
                               statistics.median(r["costs"][k].forward_seconds for r in runs),
-                              statistics.median(r["costs"][k].backward_seconds for r in runs))
+                              statistics.median(r["costs"][k].backward_seconds for r in runs),
+                              c.deferred_bytes)
                     for k, c in enumerate(runs[-1]["costs"])]
     for key in ("step_seconds", "tail_seconds", "outside_seconds"):
         out[key] = statistics.median(r[key] for r in runs)
@@ -605,9 +668,11 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
                 if name != "none":
                     apply_activation_memory(model, name, layers=layer_names)
                 try:
-                    with _copy_trace(samples if STRATEGIES[name].swaps else None):
-                        steps[name].append(_run_step(step_fn, model, layer_names, device,
-                                                     params))
+                    with _copy_trace(samples if STRATEGIES[name].swaps else None) as items:
+                        run = _run_step(step_fn, model, layer_names, device, params)
+                    if items is not None:
+                        attribute_offloads(run["costs"], items)
+                    steps[name].append(run)
                 finally:
                     remove_activation_memory(model)
                 state.check_parameters()
@@ -658,7 +723,8 @@ def _worst_over_ranks(profile: ActivationProfile, device: torch.device) -> Activ
                            profile.h2d.seconds_per_byte]
     for name in profile.strategies:
         for c in profile.costs[name]:
-            values += [c.kept_bytes, c.offload_bytes, c.forward_seconds, c.backward_seconds]
+            values += [c.kept_bytes, c.offload_bytes, c.deferred_bytes, c.forward_seconds,
+                       c.backward_seconds]
         values += [profile.measured[name]["peak_bytes"], profile.measured[name]["step_seconds"]]
     values += profile.output_bytes
     on = device if dist.get_backend() != "gloo" else torch.device("cpu")
@@ -671,7 +737,8 @@ def _worst_over_ranks(profile: ActivationProfile, device: torch.device) -> Activ
     profile.h2d = CopyLink(next(v), next(v))
     for name in profile.strategies:
         for c in profile.costs[name]:
-            c.kept_bytes, c.offload_bytes = int(next(v)), int(next(v))
+            c.kept_bytes, c.offload_bytes, c.deferred_bytes = (int(next(v)), int(next(v)),
+                                                               int(next(v)))
             c.forward_seconds, c.backward_seconds = next(v), next(v)
         profile.measured[name] = {"peak_bytes": int(next(v)), "step_seconds": next(v)}
     profile.output_bytes = [int(next(v)) for _ in profile.output_bytes]

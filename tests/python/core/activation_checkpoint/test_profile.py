@@ -208,3 +208,114 @@ def test_an_existing_application_comes_back_with_its_options():
     assert again.strategies() == report.strategies()
     assert applied_options(model) == {"policy_fn": None, "swap_inputs": True,
                                       "group_swap": True}
+
+
+# ---------------------------------------------------------------------------------------
+# Deferred inputs: a decoder loop holds each layer's input until the layer returns, so the
+# engine offloads it at the next release point; the profile gives it back to its layer.
+
+def _items(*entries):
+    """Timeline items: ("forward", label, start) and ("d2h", label, enqueue, bytes)."""
+    out = []
+    for e in entries:
+        if e[0] == "forward":
+            out.append(dict(kind="forward", stream="host", label=e[1], start_ns=e[2],
+                            end_ns=e[2] + 1, enqueue_ns=e[2], bytes=0, count=0))
+        else:
+            out.append(dict(kind="copy", stream="d2h", label=e[1], enqueue_ns=e[2],
+                            start_ns=e[2], end_ns=e[2] + 1, bytes=e[3], count=1))
+    return out
+
+
+def test_attribute_offloads_moves_a_deferred_input_back_to_its_layer():
+    from hyper_parallel.core.activation_checkpoint._profile import LayerCost, attribute_offloads
+
+    # As counted over each layer's forward: layer 2's window holds its own 1000 bytes and
+    # layer 1's 100-byte input (queued after layer 2's forward began), the last layer's
+    # window layer 2's input; the labels say whose they are.
+    costs = [LayerCost(50, 1000, 0.1, 0.2), LayerCost(100, 1000, 0.1, 0.2),
+             LayerCost(0, 1100, 0.1, 0.2), LayerCost(1000, 100, 0.1, 0.2)]
+    items = _items(("forward", "A", 0), ("d2h", "A", 10, 1000),
+                   ("forward", "B", 20), ("d2h", "B", 30, 1000),
+                   ("forward", "C", 40), ("d2h", "C", 50, 1000), ("d2h", "B", 51, 100),
+                   ("forward", "D", 60), ("d2h", "C", 70, 100))
+    assert attribute_offloads(costs, items)
+    assert [(c.kept_bytes, c.offload_bytes, c.deferred_bytes) for c in costs] == [
+        (50, 1000, 0), (0, 1000, 100), (0, 1000, 100), (1100, 0, 0)]
+    # What each layer saved is unchanged.
+    assert [c.saved_bytes for c in costs] == [1050, 1100, 1100, 1100]
+
+
+@pytest.mark.parametrize("case", ["labels repeat", "unknown label", "bytes disagree",
+                                  "fewer groups"])
+def test_attribute_offloads_changes_nothing_when_the_timeline_cannot_say(case):
+    from hyper_parallel.core.activation_checkpoint._profile import LayerCost, attribute_offloads
+
+    costs = [LayerCost(0, 1000, 0.1, 0.2), LayerCost(1000, 0, 0.1, 0.2)]
+    items = {
+        "labels repeat": _items(("forward", "A", 0), ("d2h", "A", 1, 1000), ("forward", "A", 5)),
+        "unknown label": _items(("forward", "A", 0), ("d2h", "Z", 1, 1000), ("forward", "B", 5)),
+        "bytes disagree": _items(("forward", "A", 0), ("d2h", "A", 1, 900), ("forward", "B", 5)),
+        "fewer groups": _items(("forward", "A", 0), ("d2h", "A", 1, 1000)),
+    }[case]
+    before = [dict(vars(c)) for c in costs]
+    assert not attribute_offloads(costs, items)
+    assert [dict(vars(c)) for c in costs] == before
+
+
+@pytest.fixture(scope="module")
+def llama_profile():
+    pytest.importorskip("transformers")
+    from hyper_parallel.core.activation_checkpoint import profile_activation_memory
+    from hyper_parallel.demo.model import build_config, build_model
+
+    manager = SwapManager()
+    manager.set_cpu_swap(True, delay_ns_per_byte=0.0)
+    config = build_config(layers=4, hidden=32, heads=2, seq_len=16)
+    model = build_model(config, seed=0)
+    model.config.use_cache = False
+    tokens = torch.randint(0, config.vocab_size, (2, 16),
+                           generator=torch.Generator().manual_seed(0))
+
+    def step():
+        model(input_ids=tokens, labels=tokens).loss.backward()
+
+    profile = profile_activation_memory(model, step, repeats=1,
+                                        candidates=["swap", "checkpoint_swap"])
+    manager.set_cpu_swap(False)
+    return model, step, profile, 2 * 16 * 32 * 4  # one hidden state, fp32
+
+
+def test_profile_gives_each_layer_its_deferred_input(llama_profile):
+    _, _, profile, hidden_bytes = llama_profile
+    for name in ("swap", "checkpoint_swap"):
+        deferred = [c.deferred_bytes for c in profile.costs[name]]
+        # Layer 0's input is the model's embedding output (held all step, never offloaded);
+        # the last layer keeps everything.
+        assert deferred == [0, hidden_bytes, hidden_bytes, 0], name
+        assert profile.costs[name][-1].group_bytes == 0
+
+
+def test_uniform_swapping_plans_are_predicted_to_the_byte(llama_profile):
+    from hyper_parallel.core.activation_checkpoint import (apply_activation_memory,
+                                                           remove_activation_memory,
+                                                           saved_activation_memory)
+    from hyper_parallel.core.activation_checkpoint._planner import predict
+
+    model, step, profile, _ = llama_profile
+    SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)  # each test starts with it off
+    for name in ("swap", "checkpoint_swap"):
+        apply_activation_memory(model, name, layers=profile.layer_names)
+        try:
+            for _ in range(2):  # the first step teaches the engine the chain's last layer
+                with saved_activation_memory() as meter:
+                    step()
+                SwapManager().synchronize()
+                for p in model.parameters():
+                    p.grad = None
+        finally:
+            remove_activation_memory(model)
+            for p in model.parameters():
+                p.grad = None
+        assert predict(profile, [name] * 4, offload_window=0)["peak_bytes"] == \
+            meter.peak_bytes, name
