@@ -26,8 +26,15 @@ void SavedBytesMeter::observe(const at::Tensor& t) {
   const c10::StorageImpl* key = storage.unsafeGetStorageImpl();
   std::lock_guard<std::mutex> lock(mu_);
   auto it = seen_.find(key);
-  if (it != seen_.end() && !it->second.expired()) return;
-  seen_.insert_or_assign(key, storage.getWeakStorageImpl());
+  if (it != seen_.end() && !it->second.storage.expired()) {
+    Seen& s = it->second;
+    if (epoch_ >= 1 && s.first_epoch >= 1 && s.first_epoch < epoch_ && s.last_resaved != epoch_) {
+      s.last_resaved = epoch_;
+      resaved_[epoch_] += static_cast<int64_t>(storage.nbytes());
+    }
+    return;
+  }
+  seen_.insert_or_assign(key, Seen{storage.getWeakStorageImpl(), epoch_, 0});
   running_ += static_cast<int64_t>(storage.nbytes());
   if (running_ > peak_) peak_ = running_;
 }
@@ -36,7 +43,7 @@ int64_t SavedBytesMeter::sample() {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t total = 0;
   for (auto it = seen_.begin(); it != seen_.end();) {
-    if (auto strong = it->second.lock()) {
+    if (auto strong = it->second.storage.lock()) {
       total += static_cast<int64_t>(strong->nbytes());
       ++it;
     } else {
@@ -63,6 +70,19 @@ void SavedBytesMeter::reset() {
   seen_.clear();
   running_ = 0;
   peak_ = 0;
+  epoch_ = 0;
+  resaved_.clear();
+}
+
+void SavedBytesMeter::begin_epoch(int epoch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  epoch_ = epoch;
+}
+
+int64_t SavedBytesMeter::resaved_bytes(int epoch) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = resaved_.find(epoch);
+  return it == resaved_.end() ? 0 : it->second;
 }
 
 }  // namespace hyper_parallel::activation

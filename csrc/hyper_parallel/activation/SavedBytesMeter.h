@@ -9,6 +9,12 @@
 // sample() (exactly); the engine releases memory only at region boundaries, where the
 // Python layer samples, so the incremental total never misses a free in between.
 //
+// Epochs (the planner's profile, docs/design.md "Shared inputs"): begin_epoch(e) with e >= 1
+// tags the storages first observed from then on with e; observing again, in epoch e, a
+// storage first observed in an epoch 1 <= f < e adds its bytes to resaved_bytes(e) (once
+// per storage and epoch): bytes a layer saves that an earlier layer saved first. Epoch 0
+// (the default) and negative epochs record nothing.
+//
 // Thread-safety: thread-safe (internal mutex).
 
 #include <ATen/core/Tensor.h>
@@ -19,6 +25,7 @@
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 
 namespace hyper_parallel::activation {
 
@@ -30,6 +37,9 @@ class SavedBytesMeter {
   int64_t peak() const;
   int64_t observed_storages() const;
   void reset();
+  void begin_epoch(int epoch);
+  // Bytes re-observed in `epoch` of storages first observed in an earlier epoch >= 1.
+  int64_t resaved_bytes(int epoch) const;
 
   // The meter PackHooks report to (at most one active at a time), or null.
   static SavedBytesMeter* active();
@@ -37,9 +47,16 @@ class SavedBytesMeter {
 
  private:
   mutable std::mutex mu_;
-  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> seen_;
+  struct Seen {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    int first_epoch = 0;
+    int last_resaved = 0;  // the last epoch that counted it in resaved_
+  };
+  std::unordered_map<const c10::StorageImpl*, Seen> seen_;
   int64_t running_ = 0;
   int64_t peak_ = 0;
+  int epoch_ = 0;
+  std::unordered_map<int, int64_t> resaved_;
 };
 
 }  // namespace hyper_parallel::activation

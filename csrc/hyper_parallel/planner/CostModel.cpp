@@ -25,7 +25,8 @@ void StepProfile::validate() const {
                    options.size(), ")");
     for (size_t o = 0; o < options.size(); ++o) {
       const OptionCost& c = layers[k][o];
-      HP_CHECK_VALUE(c.kept_bytes >= 0 && c.offload_bytes >= 0 && c.deferred_bytes >= 0, "layer ", k, " option '",
+      HP_CHECK_VALUE(c.kept_bytes >= 0 && c.offload_bytes >= 0 && c.deferred_bytes >= 0 &&
+                     c.shared_bytes >= 0, "layer ", k, " option '",
                      options[o], "' has negative bytes");
       HP_CHECK_VALUE(good_seconds(c.forward_seconds) && good_seconds(c.backward_seconds),
                      "layer ", k, " option '", options[o],
@@ -65,6 +66,11 @@ Prediction evaluate(const StepProfile& p, const std::vector<int>& assignment) {
                    "assignment[", k, "] = ", assignment[k], " is not an option index (0..",
                    p.num_options() - 1, ")");
     c[k] = p.effective(k, static_cast<size_t>(assignment[k]));
+    // The shared charge (CostModel.h): the first layer of an option new to the prefix.
+    if (k > 0 && std::find(assignment.begin(), assignment.begin() + static_cast<long>(k),
+                           assignment[k]) == assignment.begin() + static_cast<long>(k)) {
+      c[k].kept_bytes += c[k].shared_bytes;
+    }
   }
   Prediction out;
   auto consider = [&](int64_t bytes, int layer, bool backward) {

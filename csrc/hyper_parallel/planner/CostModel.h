@@ -21,6 +21,11 @@
 //    with its own layer. Deferred bytes with no release point after them before the turn
 //    stay on the device.
 //  * the last layer offloads nothing; its bytes stay on the device.
+//  * shared charge: the meter counts a storage once, when the first layer saves it, and a
+//    uniform profile charges layer 0 for what all layers share (a decoder's causal mask).
+//    In an assignment, the first layer k >= 1 of an option that no layer before it runs
+//    keeps its shared_bytes too (until its backward), since layer 0's option may not
+//    save them. An upper bound: options that save the same shared tensors pay them again.
 //  * release points: in a plan where any layer swaps, every layer is on the prefetch chain
 //    and the end of every layer's forward is a release point, whatever its strategy
 //    (apply_activation_memory chains them all: each gets a swap group).
@@ -70,6 +75,10 @@ struct OptionCost {
                                // still holds them (the layer's input, in a decoder loop):
                                // offloaded at the next release point, reloaded with this
                                // layer (docs/design.md, "Deferred inputs")
+  int64_t shared_bytes = 0;    // bytes it saves that an earlier layer saved first (the mask
+                               // all layers save), not in kept_bytes: the profile's layer 0
+                               // paid them. Charged (see the header) to the first layer of
+                               // an option no earlier layer ran.
   int64_t saved_bytes() const { return kept_bytes + offload_bytes + deferred_bytes; }
   int64_t group_bytes() const { return offload_bytes + deferred_bytes; }
 };

@@ -27,7 +27,9 @@ struct Label {
   int32_t parent;  // index among the previous layer's labels
   int16_t option;
   int8_t phase;
-  int64_t pending = 0;  // deferred bytes of the layer just decided (still on the device)
+  // Deferred bytes of the layer just decided: on the device until the next layer's release
+  // point, so they read only in its forward sample point (kept + pending + its bytes).
+  int64_t pending = 0;
 };
 
 struct Back {
@@ -66,7 +68,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     return a.host < b.host;
   });
   struct Front {
-    int64_t host, off, pending;
+    int64_t host, off, held;  // held: kept + pending (the next forward sample point's)
     double time, backlog;
   };
   std::vector<Front> front;
@@ -88,7 +90,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
       const double extra = f.backlog >= linear && l.backlog >= linear
                                ? f.backlog - l.backlog
                                : std::max(0.0, f.backlog - l.backlog);
-      if (f.host <= l.host && f.off <= off && f.pending <= l.pending &&
+      if (f.host <= l.host && f.off <= off && f.held <= l.kept + l.pending &&
           f.time + extra <= l.time + eps) {
         dominated = true;
         break;
@@ -104,10 +106,11 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
                                          ? l.backlog - f.backlog
                                          : std::max(0.0, l.backlog - f.backlog);
                                  return l.host <= f.host && off <= f.off &&
-                                        l.pending <= f.pending && l.time + extra <= f.time;
+                                        l.kept + l.pending <= f.held &&
+                                        l.time + extra <= f.time;
                                }),
                 front.end());
-    front.push_back(Front{l.host, off, l.pending, l.time, l.backlog});
+    front.push_back(Front{l.host, off, l.kept + l.pending, l.time, l.backlog});
     ++same_kept;
     labels[out++] = l;
   }
@@ -130,7 +133,8 @@ void prune_capped(std::vector<Label>& labels, double linear, int64_t bucket, int
     return code_bytes == nullptr ? 0 : (*code_bytes)[l.code];
   };
   auto dominates = [&](const Label& a, const Label& b) {
-    if (a.kept > b.kept || a.host > b.host || off_of(a) > off_of(b) || a.pending > b.pending) {
+    if (a.kept > b.kept || a.host > b.host || off_of(a) > off_of(b) ||
+        a.kept + a.pending > b.kept + b.pending) {
       return false;
     }
     if (code_bytes == nullptr && a.code != b.code) return false;
@@ -223,8 +227,41 @@ std::vector<uint64_t> Planner::masks(const std::vector<uint64_t>& allowed) const
   return out;
 }
 
+int64_t Planner::max_shared_charge() const {
+  // Each option is charged at most once, at one layer (CostModel.h).
+  int64_t total = 0;
+  for (size_t o = 0; o < profile_.num_options(); ++o) {
+    int64_t most = 0;
+    for (size_t k = 1; k < profile_.num_layers(); ++k) {
+      most = std::max(most, profile_.layers[k][o].shared_bytes);
+    }
+    total += most;
+  }
+  return total;
+}
+
 PlanResult Planner::solve(int64_t budget, const std::vector<uint64_t>& allowed,
                           int64_t host_budget) const {
+  // The search leaves the shared charge out (Planner.h); evaluate() counts it. Lower the
+  // search's budget by what the plan found exceeds, a few times, then by the most any plan
+  // can be charged (then every plan found fits).
+  PlanResult r = solve_uncharged(budget, allowed, host_budget);
+  const int64_t charge = max_shared_charge();
+  if (charge == 0) return r;
+  int64_t b = budget;
+  for (int i = 0; i < 4 && r.feasible && r.prediction.peak_bytes > budget; ++i) {
+    b -= r.prediction.peak_bytes - budget;
+    r = solve_uncharged(b, allowed, host_budget);
+  }
+  if (r.feasible && r.prediction.peak_bytes > budget) {
+    r = solve_uncharged(budget - charge, allowed, host_budget);
+  }
+  if (r.feasible && r.prediction.peak_bytes > budget) r = PlanResult{};  // cannot happen
+  return r;
+}
+
+PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>& allowed,
+                                    int64_t host_budget) const {
   const std::vector<uint64_t> m = masks(allowed);
   // The time found is the optimum (a lower bound of itself) only where the search is
   // exact: depth <= 1, no tolerance, no byte rounding.
@@ -394,6 +431,18 @@ PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_
     const int64_t mid = lo + (hi - lo) / 2;
     if (fits(mid)) hi = mid;
     else lo = mid;
+  }
+  // With a shared charge the least budget solve() meets lies in [hi, hi + charge]
+  // (solve(hi + charge) searches at hi at worst, where a plan exists).
+  const int64_t charge = max_shared_charge();
+  if (charge > 0) {
+    int64_t top = hi + charge, bottom = hi - 1;
+    while (top - bottom > 1) {
+      const int64_t mid = bottom + (top - bottom) / 2;
+      if (solve(mid, allowed, host_budget).feasible) top = mid;
+      else bottom = mid;
+    }
+    hi = top;
   }
   return solve(hi, allowed, host_budget);
 }

@@ -44,13 +44,23 @@
 // Deferred bytes (OptionCost::deferred_bytes, a layer input its caller still holds at the
 // layer's release point; they leave at the next layer's release point): their bytes are
 // exact (the next layer's forward sample point counts them, the label carrying its last
-// layer's deferred bytes; fewer is no worse), their time is not: a layer's group bytes
+// layer's deferred bytes, and dominance asks kept + deferred to be no larger too: the
+// only point they read), their time is not: a layer's group bytes
 // (offload + deferred) are its offload class and are timed as if they all left at its own
 // release point, while the deferred copy really queues one release point later, behind
 // the next layer's own offload. So with deferred bytes the plan meets its budgets and is
 // the fastest by the search's timing, which can differ from evaluate()'s by that copy's
 // shift (PlannerTest measures the loss against brute force); without them the search is
 // exact as below.
+//
+// Shared charge (CostModel.h): the search leaves it out (it would need the set of options
+// used so far in every label). solve() checks the plan with evaluate(), which counts it;
+// a plan over the budget is searched again under a budget lowered by the excess (up to
+// four times), then under the budget less the largest charge any plan can get (where
+// every plan found fits). So a plan returned meets its budget in the cost model, but with
+// shared bytes it is optimal only among the plans of the lowered budget; min_peak()
+// binary-searches solve() over the charge's range. Without shared bytes solve() is the
+// search alone.
 //
 // The fallback and its bound: when the copies saturate the link (say 2x a forward over
 // 100 layers) the exact fronts reach 10^5-10^6 labels per layer, the (time, backlog)
@@ -163,6 +173,11 @@ class Planner {
   const StepProfile& profile() const { return profile_; }
 
  private:
+  // solve() without the shared charge (the search as described above).
+  PlanResult solve_uncharged(int64_t budget_bytes, const std::vector<uint64_t>& allowed,
+                             int64_t host_budget_bytes) const;
+  // The largest shared charge of any assignment: per option, its largest shared_bytes.
+  int64_t max_shared_charge() const;
   // max_labels < 0: no limit.
   PlanResult search(int64_t budget_bytes, int64_t host_budget_bytes,
                     const std::vector<uint64_t>& allowed, bool memory_only, int64_t quantum,

@@ -374,6 +374,45 @@ TEST(PlannerTest, DeferredBytesQueueBehindTheNextLayersOwnOffload) {
   }
 }
 
+// Shared charge (CostModel.h): a storage every layer saves (a causal mask) is counted once,
+// by the first layer that saves it; the uniform profiles charged layer 0.
+StepProfile shared_profile() {
+  // none keeps 1000 and shares nothing; checkpoint keeps 100 and shares 300 bytes (the
+  // mask it saves with its inputs), which its layer 0 paid in the profile (400 kept).
+  StepProfile p;
+  p.options = {"none", "checkpoint"};
+  for (int k = 0; k < 4; ++k) {
+    OptionCost ck{k == 0 ? 400 : 100, 0, 1.0, 3.0};
+    if (k > 0) ck.shared_bytes = 300;
+    p.layers.push_back({OptionCost{1000, 0, 1.0, 2.0}, ck});
+  }
+  return p;
+}
+
+TEST(PlannerTest, SharedBytesAreChargedToTheFirstLayerOfAnOptionNewToThePlan) {
+  const StepProfile p = shared_profile();
+  // Uniform checkpoint: layer 0 paid the mask, as profiled: 400 + 3 x 100.
+  EXPECT_EQ(evaluate(p, {1, 1, 1, 1}).peak_bytes, 700);
+  // none first: layer 1 is the first checkpoint and pays the mask: 1000 + 400 + 100 + 100.
+  EXPECT_EQ(evaluate(p, {0, 1, 1, 1}).peak_bytes, 1600);
+  // ... once: a later return to checkpoint after none pays nothing more.
+  EXPECT_EQ(evaluate(p, {0, 1, 0, 1}).peak_bytes, 1000 + 400 + 1000 + 100);
+  // The planner's plan meets every budget with the charge, and min_peak's budget is met.
+  const Planner planner(p);
+  for (int64_t budget = 600; budget <= 4000; budget += 50) {
+    const PlanResult got = planner.solve(budget);
+    const Best want = brute_force(p, budget);
+    SCOPED_TRACE("budget " + std::to_string(budget));
+    ASSERT_EQ(got.feasible, want.found);
+    if (got.feasible) EXPECT_LE(got.prediction.peak_bytes, budget);
+  }
+  const PlanResult least = planner.min_peak();
+  ASSERT_TRUE(least.feasible);
+  EXPECT_EQ(least.prediction.peak_bytes, 700);
+  EXPECT_EQ(least.assignment, (std::vector<int>{1, 1, 1, 1}));
+  EXPECT_FALSE(planner.solve(699).feasible);
+}
+
 // The synthetic profile with the swap option's input bytes deferred (the decoder-loop
 // pattern); layer 0's input is held by the model all step (kept).
 StepProfile with_deferred(StepProfile p) {

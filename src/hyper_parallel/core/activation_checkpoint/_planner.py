@@ -268,7 +268,8 @@ def _cpp_profile(profile: ActivationProfile, prefetch_depth: int = 1, offload_wi
     p.offload_window = int(offload_window)
     p.options = list(profile.strategies)
     p.layers = [[_C.PlannerOptionCost(c.kept_bytes, c.offload_bytes, c.forward_seconds,
-                                      c.backward_seconds, deferred_bytes=c.deferred_bytes)
+                                      c.backward_seconds, deferred_bytes=c.deferred_bytes,
+                                      shared_bytes=c.shared_bytes)
                  for c in (profile.costs[s][k] for s in profile.strategies)]
                 for k in range(len(profile.layer_names))]
     p.base_bytes = int(profile.base_bytes)

@@ -22,6 +22,10 @@ cost model of ``csrc/hyper_parallel/planner/CostModel.h`` needs:
   timeline cannot say (another ``activation_trace`` is recording, or the swap regions do
   not map one to one onto the layers) the counters' figures stand and the cost model
   sees each deferred input one layer late, holding it one backward too long;
+* ``shared_bytes``: bytes the layer saved that an earlier layer had saved first (the
+  meter counts a storage once: the causal mask and rotary tables a decoder's layers all
+  save are paid by layer 0 in a uniform step); a mixed plan's first layer of a strategy
+  pays them when no earlier layer ran that strategy (the cost model's shared charge);
 * ``forward_seconds`` / ``backward_seconds``: wall time between hooks (the backward from
   the gradient of the layer's output to that of its input), minus the time the engine
   reports it stalled on reloads there; on an accelerator each hook synchronizes.
@@ -71,6 +75,7 @@ class LayerCost:
     forward_seconds: float
     backward_seconds: float
     deferred_bytes: int = 0
+    shared_bytes: int = 0
 
     @property
     def saved_bytes(self) -> int:
@@ -223,6 +228,7 @@ class _StepProbe:
 
     def __init__(self, modules: list[nn.Module], device: torch.device) -> None:
         n = len(modules)
+        self.n = n
         self.device = device
         self.meter = None
         self.fwd_start = [0.0] * n
@@ -250,6 +256,8 @@ class _StepProbe:
             stats = self._stats()
             self.off_before[k] = stats["offload_bytes"]
             self.mem_before[k] = self.meter.sample() if self.meter is not None else 0
+            if self.meter is not None:
+                self.meter._meter.begin_epoch(k + 1)  # what layer k saves first is tagged k + 1
             x = _first_tensor(args, kwargs)
             if x is not None and x.requires_grad:
                 x.register_hook(self._grad_in(k))
@@ -263,6 +271,8 @@ class _StepProbe:
             stats = self._stats()
             self.off_after[k] = stats["offload_bytes"]
             self.mem_after[k] = self.meter.sample() if self.meter is not None else 0
+            if self.meter is not None and k == self.n - 1:
+                self.meter._meter.begin_epoch(-1)  # the head and the backward: not layers
             y = _out_tensor(output)
             if y is not None:
                 self.out_bytes[k] = y.untyped_storage().nbytes()
@@ -304,6 +314,7 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
             _sync(device)
         end = time.perf_counter()
         peak = meter.peak_bytes
+        shared = [int(meter._meter.resaved_bytes(k + 1)) for k in range(len(names))]
         got_grads = any(p.grad is not None for p in params)
     finally:
         probe.meter = None
@@ -321,7 +332,8 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
             kept_bytes=max(0, int(probe.mem_after[k] - probe.mem_before[k])),
             offload_bytes=max(0, int(probe.off_after[k] - probe.off_before[k])),
             forward_seconds=max(0.0, probe.fwd_end[k] - probe.fwd_start[k]),
-            backward_seconds=max(0.0, b_end - b_start - stall)))
+            backward_seconds=max(0.0, b_end - b_start - stall),
+            shared_bytes=shared[k]))
     last_bwd = probe.bwd_start[n - 1]
     tail_seconds = max(0.0, (last_bwd if last_bwd is not None else end) - probe.fwd_end[n - 1])
     busy = sum(c.forward_seconds + c.backward_seconds for c in costs)
@@ -582,7 +594,7 @@ def _typical(runs: list[dict]) -> dict:
     out["costs"] = [LayerCost(c.kept_bytes, c.offload_bytes,
                               statistics.median(r["costs"][k].forward_seconds for r in runs),
                               statistics.median(r["costs"][k].backward_seconds for r in runs),
-                              c.deferred_bytes)
+                              c.deferred_bytes, c.shared_bytes)
                     for k, c in enumerate(runs[-1]["costs"])]
     for key in ("step_seconds", "tail_seconds", "outside_seconds"):
         out[key] = statistics.median(r[key] for r in runs)
@@ -723,8 +735,8 @@ def _worst_over_ranks(profile: ActivationProfile, device: torch.device) -> Activ
                            profile.h2d.seconds_per_byte]
     for name in profile.strategies:
         for c in profile.costs[name]:
-            values += [c.kept_bytes, c.offload_bytes, c.deferred_bytes, c.forward_seconds,
-                       c.backward_seconds]
+            values += [c.kept_bytes, c.offload_bytes, c.deferred_bytes, c.shared_bytes,
+                       c.forward_seconds, c.backward_seconds]
         values += [profile.measured[name]["peak_bytes"], profile.measured[name]["step_seconds"]]
     values += profile.output_bytes
     on = device if dist.get_backend() != "gloo" else torch.device("cpu")
@@ -737,8 +749,8 @@ def _worst_over_ranks(profile: ActivationProfile, device: torch.device) -> Activ
     profile.h2d = CopyLink(next(v), next(v))
     for name in profile.strategies:
         for c in profile.costs[name]:
-            c.kept_bytes, c.offload_bytes, c.deferred_bytes = (int(next(v)), int(next(v)),
-                                                               int(next(v)))
+            c.kept_bytes, c.offload_bytes, c.deferred_bytes, c.shared_bytes = (
+                int(next(v)), int(next(v)), int(next(v)), int(next(v)))
             c.forward_seconds, c.backward_seconds = next(v), next(v)
         profile.measured[name] = {"peak_bytes": int(next(v)), "step_seconds": next(v)}
     profile.output_bytes = [int(next(v)) for _ in profile.output_bytes]

@@ -281,7 +281,7 @@ def llama_profile():
         model(input_ids=tokens, labels=tokens).loss.backward()
 
     profile = profile_activation_memory(model, step, repeats=1,
-                                        candidates=["swap", "checkpoint_swap"])
+                                        candidates=["checkpoint", "swap", "checkpoint_swap"])
     manager.set_cpu_swap(False)
     return model, step, profile, 2 * 16 * 32 * 4  # one hidden state, fp32
 
@@ -294,6 +294,44 @@ def test_profile_gives_each_layer_its_deferred_input(llama_profile):
         # the last layer keeps everything.
         assert deferred == [0, hidden_bytes, hidden_bytes, 0], name
         assert profile.costs[name][-1].group_bytes == 0
+
+
+def _measured_peak(model, step, plan):
+    from hyper_parallel.core.activation_checkpoint import (apply_activation_memory,
+                                                           remove_activation_memory,
+                                                           saved_activation_memory)
+
+    SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)  # each test starts with it off
+    names = [f"model.layers.{k}" for k in range(len(plan))]
+    apply_activation_memory(model, dict(zip(names, plan)))
+    try:
+        for _ in range(2):  # the first step teaches the engine the chain's last layer
+            with saved_activation_memory() as meter:
+                step()
+            SwapManager().synchronize()
+            for p in model.parameters():
+                p.grad = None
+    finally:
+        remove_activation_memory(model)
+    return meter.peak_bytes
+
+
+def test_shared_inputs_are_measured_and_mixed_plans_never_predicted_low(llama_profile):
+    from hyper_parallel.core.activation_checkpoint._planner import predict
+
+    model, step, profile, _ = llama_profile
+    # A checkpointed layer saves the causal mask and cache_position with its inputs; the
+    # meter counts them once, at layer 0 in the uniform step: later layers share them.
+    shared = [c.shared_bytes for c in profile.costs["checkpoint"]]
+    assert shared[0] == 0 and all(b > 0 for b in shared[1:]) and len(set(shared[1:])) == 1
+    for plan in (["swap", "checkpoint"] * 2, ["none", "checkpoint"] * 2,
+                 ["checkpoint", "swap"] * 2, ["none", "swap", "checkpoint", "checkpoint_swap"]):
+        measured = _measured_peak(model, step, plan)
+        predicted = predict(profile, plan, offload_window=0)["peak_bytes"]
+        # Charged once per option new to the plan: never low, and exact when the options'
+        # shared tensors do not overlap (each of these plans but the last).
+        assert predicted >= measured, plan
+        assert predicted <= measured * 1.05, plan
 
 
 def test_uniform_swapping_plans_are_predicted_to_the_byte(llama_profile):
