@@ -242,22 +242,33 @@ int64_t Planner::max_shared_charge() const {
 
 PlanResult Planner::solve(int64_t budget, const std::vector<uint64_t>& allowed,
                           int64_t host_budget) const {
-  // The search leaves the shared charge out (Planner.h); evaluate() counts it. Lower the
-  // search's budget by what the plan found exceeds, a few times, then by the most any plan
-  // can be charged (then every plan found fits).
+  // The search leaves the shared charge out (Planner.h); evaluate() counts it. A plan over
+  // the budget is searched again charging every run's first layer (an upper bound of the
+  // charge: every plan found fits), and under the budget less the most any plan can be
+  // charged (every plan found fits too); the faster of the two.
   PlanResult r = solve_uncharged(budget, allowed, host_budget);
-  const int64_t charge = max_shared_charge();
-  if (charge == 0) return r;
-  int64_t b = budget;
-  for (int i = 0; i < 4 && r.feasible && r.prediction.peak_bytes > budget; ++i) {
-    b -= r.prediction.peak_bytes - budget;
-    r = solve_uncharged(b, allowed, host_budget);
+  if (!r.feasible || r.prediction.peak_bytes <= budget) return r;
+  const std::vector<uint64_t> m = masks(allowed);
+  PlanResult runs = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels,
+                           0, false, 0, kExactLabelsPerLayer, true);
+  if (runs.stats.overflowed) {
+    const int64_t bucket = std::max<int64_t>(1, (budget - profile_.base_bytes) / kFallbackBins);
+    runs = search(budget, host_budget, m, false, quantum_, tolerance_, -1, kFallbackPerBin, false,
+                  bucket, 0, true);
+    runs.stats.exact = false;
   }
-  if (r.feasible && r.prediction.peak_bytes > budget) {
-    r = solve_uncharged(budget - charge, allowed, host_budget);
+  runs.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
+  PlanResult lowered = solve_uncharged(budget - max_shared_charge(), allowed, host_budget);
+  lowered.stats.exact = false;
+  lowered.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
+  const bool runs_ok = runs.feasible && runs.prediction.peak_bytes <= budget;
+  const bool lowered_ok = lowered.feasible && lowered.prediction.peak_bytes <= budget;
+  if (runs_ok && (!lowered_ok || runs.prediction.step_seconds <= lowered.prediction.step_seconds)) {
+    runs.stats.exact = false;
+    return runs;
   }
-  if (r.feasible && r.prediction.peak_bytes > budget) r = PlanResult{};  // cannot happen
-  return r;
+  if (lowered_ok) return lowered;
+  return PlanResult{};  // cannot happen: both searches' plans fit
 }
 
 PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>& allowed,
@@ -451,7 +462,7 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
                            const std::vector<uint64_t>& allowed, bool memory_only,
                            int64_t quantum, double tolerance, int64_t max_labels,
                            int per_kept, bool relaxed, int64_t bucket,
-                           int64_t labels_per_layer) const {
+                           int64_t labels_per_layer, bool charge_runs) const {
   const StepProfile& p = profile_;
   const size_t n = p.num_layers(), s = p.num_options();
   const int depth = depth_;
@@ -547,14 +558,18 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
         const int64_t off = c.group_bytes();
         const int64_t held = p.base_bytes + base.kept;
         // The sample points of CostModel.h that involve layer k.
-        if (held + pending + c.kept_bytes + off > budget) continue;      // end of its forward
-        if (held + c.kept_bytes + off + window > budget) continue;       // start of its backward
-        if (last && held + c.kept_bytes + p.tail_bytes > budget) continue;  // end of forward
+        // charge_runs: the first layer of every run of an option keeps its shared bytes.
+        const int64_t kept = c.kept_bytes + (charge_runs && k > 0 && base.option != static_cast<int>(o)
+                                                  ? p.layers[k][o].shared_bytes
+                                                  : 0);
+        if (held + pending + kept + off > budget) continue;              // end of its forward
+        if (held + kept + off + window > budget) continue;               // start of its backward
+        if (last && held + kept + p.tail_bytes > budget) continue;       // end of forward
         if (base.host + off > host_cap) continue;
         // Host bytes matter only under a host budget (otherwise they would split fronts).
         // Relaxed: bytes rounded down and no D2H backlog (a lower bound, Planner.h).
         const auto round = relaxed ? round_down : round_up;
-        Label l{round(base.kept + c.kept_bytes, quantum),
+        Label l{round(base.kept + kept, quantum),
                 host_budget < 0 ? 0 : round(base.host + off, quantum),
                 0.0, 0.0,
                 depth > 0 ? class_of_[k][o] + radix_ * (base.code % keep_mod) : 0,

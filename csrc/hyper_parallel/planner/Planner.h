@@ -55,11 +55,13 @@
 //
 // Shared charge (CostModel.h): the search leaves it out (it would need the set of options
 // used so far in every label). solve() checks the plan with evaluate(), which counts it;
-// a plan over the budget is searched again under a budget lowered by the excess (up to
-// four times), then under the budget less the largest charge any plan can get (where
-// every plan found fits). So a plan returned meets its budget in the cost model, but with
-// shared bytes it is optimal only among the plans of the lowered budget; min_peak()
-// binary-searches solve() over the charge's range. Without shared bytes solve() is the
+// a plan over the budget is searched twice more: charging the first layer of every run of
+// an option (a run start is a superset of "first of its option", so every plan found
+// fits; labels of different last options are still compared, so that search may miss
+// plans), and under the budget less the largest charge any plan can get (every plan
+// found fits too); the faster plan is returned, marked not exact. So a plan returned
+// meets its budget in the cost model; min_peak() binary-searches solve() over the
+// charge's range. Without shared bytes, or when the first plan fits, solve() is the
 // search alone.
 //
 // The fallback and its bound: when the copies saturate the link (say 2x a forward over
@@ -183,7 +185,7 @@ class Planner {
                     const std::vector<uint64_t>& allowed, bool memory_only, int64_t quantum,
                     double tolerance, int64_t max_labels, int per_kept = 0,
                     bool relaxed = false, int64_t bucket = 0,
-                    int64_t labels_per_layer = 0) const;
+                    int64_t labels_per_layer = 0, bool charge_runs = false) const;
   // The optimum of the relaxation (depth <= 1, no host budget): exact bytes, no D2H
   // backlog; +inf when no plan meets the budget.
   double relaxed_bound(int64_t budget_bytes, const std::vector<uint64_t>& allowed) const;
