@@ -335,28 +335,12 @@ def test_shared_inputs_are_measured_and_mixed_plans_never_predicted_low(llama_pr
 
 
 def test_uniform_swapping_plans_are_predicted_to_the_byte(llama_profile):
-    from hyper_parallel.core.activation_checkpoint import (apply_activation_memory,
-                                                           remove_activation_memory,
-                                                           saved_activation_memory)
     from hyper_parallel.core.activation_checkpoint._planner import predict
 
     model, step, profile, _ = llama_profile
-    SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)  # each test starts with it off
     for name in ("swap", "checkpoint_swap"):
-        apply_activation_memory(model, name, layers=profile.layer_names)
-        try:
-            for _ in range(2):  # the first step teaches the engine the chain's last layer
-                with saved_activation_memory() as meter:
-                    step()
-                SwapManager().synchronize()
-                for p in model.parameters():
-                    p.grad = None
-        finally:
-            remove_activation_memory(model)
-            for p in model.parameters():
-                p.grad = None
         assert predict(profile, [name] * 4, offload_window=0)["peak_bytes"] == \
-            meter.peak_bytes, name
+            _measured_peak(model, step, [name] * 4), name
 
 
 class _ViewBlock(torch.nn.Module):
