@@ -84,15 +84,18 @@ void refill_in_place(const c10::Storage& storage, size_t nbytes, c10::Device dev
   impl->set_nbytes(nbytes);
 }
 
-// Timeline label of a group / of a record's first live holder (docs/design.md, "Timeline").
+// Timeline label of a group / of a record's last live holder (docs/design.md, "Timeline").
+// A storage two groups save is released at the later group's release point and the
+// backward reaches that group first, so its prefetch reloads it: the copies are that
+// group's. `holders` is in save order (forward order).
 std::string trace_label(const SwapGroup& group) {
   if (!group.name().empty()) return group.name();
   return group.layer() >= 0 ? "layer " + std::to_string(group.layer())
                             : "region " + std::to_string(group.id());
 }
 std::string trace_label(const StorageRecord& record) {
-  for (const auto& weak : record.holders) {
-    if (auto group = weak.lock()) return trace_label(*group);
+  for (auto it = record.holders.rbegin(); it != record.holders.rend(); ++it) {
+    if (auto group = it->lock()) return trace_label(*group);
   }
   return "unowned";
 }

@@ -352,10 +352,6 @@ class _ViewBlock(torch.nn.Module):
         return torch.relu(self.fc(x)).t()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11: a storage that two layers save (the next "
-                   "layer's input is a view of this layer's relu output) is attributed to "
-                   "its first holder; it is reloaded with its last one (prediction 6144 B, "
-                   "measured 8192 B)")
 def test_a_storage_two_layers_save_is_reloaded_with_the_later_one():
     from hyper_parallel.core.activation_checkpoint import profile_activation_memory
     from hyper_parallel.core.activation_checkpoint._planner import predict
@@ -380,7 +376,13 @@ def test_a_storage_two_layers_save_is_reloaded_with_the_later_one():
 
     SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)
     layers = [f"blocks.{i}" for i in range(4)]
-    profile = profile_activation_memory(model, step, layers=layers, candidates=["swap"],
-                                        repeats=1)
-    predicted = predict(profile, ["swap"] * 4, offload_window=0)["peak_bytes"]
-    assert predicted >= profile.measured["swap"]["peak_bytes"]
+    # The next layer's input is a view of this layer's relu output: both save one storage.
+    # It is released at the later layer's release point and reloaded by its prefetch, so
+    # the timeline labels its copies with its last holder (it predicted 6144 B against
+    # 8192 B measured for uniform swap when it used the first).
+    profile = profile_activation_memory(model, step, layers=layers, repeats=1)
+    assert set(profile.measured) >= {"none", "swap", "checkpoint_swap", "selective_swap"}
+    for strategy, measured in profile.measured.items():
+        predicted = predict(profile, [strategy] * 4, offload_window=0)["peak_bytes"]
+        assert predicted == measured["peak_bytes"], strategy
+
