@@ -242,6 +242,10 @@ class _StepProbe:
         self.stall_start = [0.0] * n
         self.stall_end = [0.0] * n
         self.out_bytes = [0] * n
+        # the meter's peak and the engine's reload bytes when the last layer's forward ends
+        # and when its backward begins
+        self.peak_at_forward_end = self.peak_at_backward = None
+        self.reloads_at_forward_end = self.reloads_at_backward = 0
         self._handles = []
         for k, m in enumerate(modules):
             self._handles.append(m.register_forward_pre_hook(self._pre(k), with_kwargs=True))
@@ -273,6 +277,8 @@ class _StepProbe:
             self.mem_after[k] = self.meter.sample() if self.meter is not None else 0
             if self.meter is not None and k == self.n - 1:
                 self.meter._meter.begin_epoch(-1)  # the head and the backward: not layers
+                self.peak_at_forward_end = self.meter.peak_bytes
+                self.reloads_at_forward_end = stats["reload_bytes"]
             y = _out_tensor(output)
             if y is not None:
                 self.out_bytes[k] = y.untyped_storage().nbytes()
@@ -286,6 +292,10 @@ class _StepProbe:
             _sync(self.device)
             self.bwd_start[k] = time.perf_counter()
             self.stall_start[k] = self._stats()["stall_seconds"]
+            if k == self.n - 1 and self.meter is not None:
+                self.meter.sample()
+                self.peak_at_backward = self.meter.peak_bytes
+                self.reloads_at_backward = self._stats()["reload_bytes"]
         return hook
 
     def _grad_in(self, k):
@@ -314,6 +324,18 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
             _sync(device)
         end = time.perf_counter()
         peak = meter.peak_bytes
+        # The head's own peak: the meter's when the layers' backward begins less what the
+        # engine reloaded since the forward ended (the prefetch that the backward's start
+        # issued, before this hook ran), where that is above the peak of the forward (an
+        # earlier, higher peak inside a layer's forward is the cost model's to predict); a
+        # step the hooks did not see falls back to the step's peak.
+        if probe.peak_at_backward is None or probe.peak_at_forward_end is None:
+            head_peak = peak
+        else:
+            head_peak = probe.peak_at_backward - (probe.reloads_at_backward
+                                                  - probe.reloads_at_forward_end)
+            if head_peak <= probe.peak_at_forward_end:
+                head_peak = probe.mem_after[-1]
         shared = [int(meter._meter.resaved_bytes(k + 1)) for k in range(len(names))]
         got_grads = any(p.grad is not None for p in params)
     finally:
@@ -324,12 +346,17 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
     n = len(names)
     costs = []
     for k in range(n):
+        # What the caller saves between layer k and k + 1 (an auxiliary loss term of the
+        # layer's output) is layer k's: held until about its backward, and it depends on
+        # its strategy (a tensor the layer saves under "none" is saved by the caller
+        # instead once the layer recomputes it).
+        gap = max(0, int(probe.mem_before[k + 1] - probe.mem_after[k])) if k + 1 < n else 0
         b_end = probe.bwd_end[k] if probe.bwd_end[k] is not None else end
         b_start = probe.bwd_start[k] if probe.bwd_start[k] is not None else b_end
         stall = max(0.0, probe.stall_end[k] - probe.stall_start[k]) \
             if probe.bwd_end[k] is not None and probe.bwd_start[k] is not None else 0.0
         costs.append(LayerCost(
-            kept_bytes=max(0, int(probe.mem_after[k] - probe.mem_before[k])),
+            kept_bytes=max(0, int(probe.mem_after[k] - probe.mem_before[k])) + gap,
             offload_bytes=max(0, int(probe.off_after[k] - probe.off_before[k])),
             forward_seconds=max(0.0, probe.fwd_end[k] - probe.fwd_start[k]),
             backward_seconds=max(0.0, b_end - b_start - stall),
@@ -345,7 +372,8 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
         "peak_bytes": int(peak),
         "step_seconds": end - start,
         "base_bytes": int(probe.mem_before[0]),
-        "tail_bytes": max(0, int(peak) - int(probe.mem_after[n - 1])),
+        # the head and loss over what the layers hold (not the backward's own peaks)
+        "tail_bytes": max(0, int(head_peak) - int(probe.mem_after[n - 1])),
         "tail_seconds": tail_seconds,
         "outside_seconds": max(0.0, end - start - busy - tail_seconds),
         "output_bytes": list(probe.out_bytes),
@@ -648,20 +676,9 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
         names = [n for n in names if not STRATEGIES[n].swaps]
     slots = resolve_layer_slots(model, layers)
     layer_names = [s.name for s in slots]
-    previous, previous_options = applied_report(model), applied_options(model)
-    state = _ModelState(model, params, device)
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
     runs: dict[str, dict] = {}
-    # The cost model's schedule submits every offload at its release point: profile with
-    # the engine's offload window off, or a slow link would keep released layers on the
-    # device and move their offload bytes to later layers' counters.
-    window = _C.offload_window()
-    _C.set_offload_window(0)
-    try:
+    with _left_as_found(model, params, device, layer_names) as state:
         link_d2h = link_h2d = CopyLink(0.0, 0.0)
-        remove_activation_memory(model)
         warmup = _run_step(step_fn, model, layer_names, device, params)
         state.check_parameters()
         _check_warmup(warmup, layer_names)
@@ -693,16 +710,14 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
             typical = max(c.kept_bytes for c in runs["none"]["costs"])
             link_d2h, link_h2d = measure_copy_links(device, max(1 << 16, typical),
                                                     samples=samples)
-    finally:
-        _C.set_offload_window(window)
-        remove_activation_memory(model)
-        state.restore()
-        for p, g in zip(params, grads):
-            p.grad = g
-        if previous is not None:  # the user's own application, with its own options
-            apply_activation_memory(model, previous.strategies(), layers=layer_names,
-                                    **previous_options)
     none = runs["none"]
+    # The cost model has one tail (the head's bytes, measured under "none"); what a
+    # strategy's tail holds beyond it is saved after the last layer because of that
+    # layer's strategy (the caller's auxiliary term of its output): the last layer's.
+    for name in names:
+        extra = runs[name]["tail_bytes"] - none["tail_bytes"]
+        if extra > 0:
+            runs[name]["costs"][-1].kept_bytes += extra
     profile = ActivationProfile(
         layer_names=layer_names,
         strategies=names,
@@ -719,6 +734,66 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
         device=str(device),
     )
     return _worst_over_ranks(profile, device)
+
+
+@contextlib.contextmanager
+def _left_as_found(model: nn.Module, params: list[nn.Parameter], device: torch.device,
+                   layer_names: list[str]):
+    """Runs the enclosed profiling steps on ``model`` with no strategy applied and the
+    engine's offload window off, then leaves everything as it was: gradients, buffers,
+    random number generators, the window, and the user's own application (with its
+    options). Yields the :class:`_ModelState` (``check_parameters()`` after each step)."""
+    previous, previous_options = applied_report(model), applied_options(model)
+    state = _ModelState(model, params, device)
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    # The cost model's schedule submits every offload at its release point: profile with
+    # the engine's offload window off, or a slow link would keep released layers on the
+    # device and move their offload bytes to later layers' counters.
+    window = _C.offload_window()
+    _C.set_offload_window(0)
+    try:
+        remove_activation_memory(model)
+        yield state
+    finally:
+        _C.set_offload_window(window)
+        remove_activation_memory(model)
+        state.restore()
+        for p, g in zip(params, grads):
+            p.grad = g
+        if previous is not None:  # the user's own application, with its own options
+            apply_activation_memory(model, previous.strategies(), layers=layer_names,
+                                    **previous_options)
+
+
+def measure_plan(model: nn.Module, step_fn: Callable[[], object], plan, *,
+                 steps: int = 2) -> dict:
+    """Runs ``step_fn`` ``steps`` times (default 2: the first teaches the engine which
+    layer ends the prefetch chain) with ``plan`` applied and measures the last step:
+    ``{"peak_bytes": int, "step_seconds": float}``, the peak of saved activations as
+    :func:`saved_activation_memory` counts it and the step's wall time. The model is left
+    as :func:`profile_activation_memory` leaves it (gradients, buffers, random number
+    generators, the user's own application).
+
+    ``plan``: an :class:`ActivationPlan` or a ``{layer name: strategy}`` dict (what
+    :func:`apply_activation_memory` takes), its names the profile's layer names.
+
+    Raises:
+        ValueError: for ``steps`` < 1 or a plan :func:`apply_activation_memory` refuses.
+        RuntimeError: when ``step_fn`` changes a parameter in place.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"hyper_parallel: steps must be an int >= 1, got {steps!r}")
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    layer_names = list(plan.strategies if hasattr(plan, "strategies") else plan)
+    with _left_as_found(model, params, device, layer_names) as state:
+        apply_activation_memory(model, plan, layers=layer_names)
+        for _ in range(steps):
+            run = _run_step(step_fn, model, layer_names, device, params)
+            state.check_parameters()
+    return {"peak_bytes": run["peak_bytes"], "step_seconds": run["step_seconds"]}
 
 
 def _worst_over_ranks(profile: ActivationProfile, device: torch.device) -> ActivationProfile:
