@@ -15,12 +15,14 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import torch
 from torch import nn
 
 from hyper_parallel._extension import _C
 
 from ._apply import STRATEGIES
-from ._profile import ActivationProfile, check_candidates, profile_activation_memory
+from ._profile import (ActivationProfile, check_candidates, measure_plan,
+                       profile_activation_memory)
 from ._swap_manager import SwapManager
 
 _MiB = 1 << 20
@@ -75,6 +77,9 @@ class ActivationPlan:
             optimum of the relaxation of ``Planner.h``), so the plan is at most
             ``predicted_step_seconds / lower_bound_seconds - 1`` slower than the optimum
             of the cost model; ``None`` where none is known (prefetch depth >= 2).
+        measured_peak_bytes / measured_step_seconds: what the plan measured when
+            :func:`plan_activation_memory` ran it on the model (bytes, seconds; the
+            largest over ranks); ``None`` for a plan solved from a profile alone.
     """
 
     strategies: dict[str, str]
@@ -91,6 +96,8 @@ class ActivationPlan:
     host_budget_bytes: int | None = None
     exact: bool = True
     lower_bound_seconds: float | None = None
+    measured_peak_bytes: int | None = None
+    measured_step_seconds: float | None = None
 
     def explain(self) -> str:
         """A table: per layer, the choice, saved / offloaded / recomputed bytes, the time
@@ -120,6 +127,10 @@ class ActivationPlan:
             + f"; solved for prefetch depth {self.prefetch_depth}"
             + ("" if self.exact
                else f" (heuristic search: the exact one grew too large{bound})"))
+        if self.measured_peak_bytes is not None:
+            lines.append(f"measured on the model: peak {_fmt_bytes(self.measured_peak_bytes)}"
+                         + (f", step {self.measured_step_seconds * 1e3:.1f} ms"
+                            if self.measured_step_seconds is not None else ""))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -168,13 +179,15 @@ class ActivationPlan:
                      "predicted_offload_bytes", "prefetch_depth", "offload_window"):
             if name in d:
                 _check_int(d[name], name)
-        if d.get("host_budget_bytes") is not None:
-            _check_int(d["host_budget_bytes"], "host_budget_bytes")
+        for name in ("host_budget_bytes", "measured_peak_bytes"):
+            if d.get(name) is not None:
+                _check_int(d[name], name)
         for name in ("predicted_step_seconds", "none_step_seconds", "predicted_stall_seconds"):
             if name in d:
                 _check_float(d[name], name)
-        if d.get("lower_bound_seconds") is not None:
-            _check_float(d["lower_bound_seconds"], "lower_bound_seconds")
+        for name in ("lower_bound_seconds", "measured_step_seconds"):
+            if d.get(name) is not None:
+                _check_float(d[name], name)
         if "exact" in d and not isinstance(d["exact"], bool):
             _bad_json(f"field 'exact' is {d['exact']!r}, not true or false")
         rows = d.get("rows", [])
@@ -524,7 +537,11 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
     swap schedule (offload of layer k overlaps the following forwards on a FIFO D2H
     stream; its reload is issued when layer k+d's backward begins, d the prefetch depth,
     and overlaps the backwards after it; copies longer than their windows stall; the last
-    layer keeps its bytes). Ties go to less host traffic.
+    layer keeps its bytes). Ties go to less host traffic. Then it runs the chosen plan on
+    the model (two steps; :func:`measure_plan`) and records its measured peak and step
+    time on the plan; when the peak is over the budget (a model whose layers share saved
+    tensors in a way the per-strategy profiles do not show), it solves again for the
+    budget less the excess, up to three plans in all.
 
     Args:
         model: the model (``nn.Module``), e.g. a ``transformers`` model.
@@ -553,7 +570,9 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
 
     Raises:
         InfeasibleBudgetError (a ValueError): when no plan meets the budgets; it gives
-            the smallest reachable peak and its plan, and names the host budget.
+            the smallest reachable peak and its plan, and names the host budget; also when
+            none of the three plans run on the model measured within the budget (then
+            ``min_peak_bytes`` is the smallest measured peak, ``plan`` that plan).
         ValueError / TypeError: for a bad budget, candidate or model.
 
     Distributed: under ``torch.distributed`` every rank profiles, the figures become the
@@ -570,25 +589,92 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
     budget = parse_budget(budget_bytes, profile.none_peak_bytes)
     import torch.distributed as dist
 
-    def solve() -> ActivationPlan:
-        return plan_from_profile(profile, budget, prefetch_depth=depth, host_budget_bytes=host)
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return solve()
-    box: list = [None]
-    if dist.get_rank() == 0:
+    def decide(target: int) -> ActivationPlan:
+        """The plan for ``target`` bytes, solved once (by rank 0, broadcast)."""
+        if not distributed:
+            return plan_from_profile(profile, target, prefetch_depth=depth,
+                                     host_budget_bytes=host)
+        box: list = [None]
+        if dist.get_rank() == 0:
+            try:
+                box[0] = ("plan", plan_from_profile(profile, target, prefetch_depth=depth,
+                                                    host_budget_bytes=host).to_json())
+            except InfeasibleBudgetError as err:
+                box[0] = ("infeasible", (str(err), err.budget_bytes, err.min_peak_bytes,
+                                         err.plan.to_json() if err.plan else None, host))
+        dist.broadcast_object_list(box, src=0)
+        kind, payload = box[0]
+        if kind == "plan":
+            return ActivationPlan.from_json(payload)
+        message, asked, low, plan, host_bytes = payload
+        raise InfeasibleBudgetError(message, asked, low,
+                                    ActivationPlan.from_json(plan) if plan else None, host_bytes)
+
+    def measure(plan: ActivationPlan) -> ActivationPlan:
+        """``plan`` with what it measured on the model (the largest over ranks)."""
+        got = measure_plan(model, step_fn, plan)
+        peak, seconds = got["peak_bytes"], got["step_seconds"]
+        if distributed:
+            on = device if dist.get_backend() != "gloo" else torch.device("cpu")
+            t = torch.tensor([peak, seconds], dtype=torch.float64, device=on)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            peak, seconds = int(t[0].item()), float(t[1].item())
+        return dataclasses.replace(plan, budget_bytes=int(budget), measured_peak_bytes=int(peak),
+                                   measured_step_seconds=float(seconds))
+
+    # Closed loop: the cost model composes per-strategy profiles, and a model can share
+    # storages between layers in ways no uniform profile shows (a layer whose output the
+    # next one saves as its input: who pays for it depends on both strategies). So the
+    # chosen plan is run on the model; when it measures over the budget the solver runs
+    # again for the budget less the excess (when nothing is predicted to fit that, the
+    # plan of the smallest predicted peak is the last one tried), at most
+    # _MEASURE_ROUNDS plans measured in all.
+    target = budget
+    tried: list[ActivationPlan] = []
+    for _ in range(_SOLVE_ROUNDS):
+        last_resort = False
         try:
-            box[0] = ("plan", solve().to_json())
+            candidate = decide(max(1, target))
         except InfeasibleBudgetError as err:
-            box[0] = ("infeasible", (str(err), err.budget_bytes, err.min_peak_bytes,
-                                     err.plan.to_json() if err.plan else None, host))
-    dist.broadcast_object_list(box, src=0)
-    kind, payload = box[0]
-    if kind == "plan":
-        return ActivationPlan.from_json(payload)
-    message, asked, low, plan, host = payload
-    raise InfeasibleBudgetError(message, asked, low,
-                                ActivationPlan.from_json(plan) if plan else None, host)
+            if not tried or err.plan is None:
+                raise
+            candidate, last_resort = err.plan, True
+        if any(p.strategies == candidate.strategies for p in tried):
+            if last_resort:
+                break
+            target -= max(1, tried[-1].measured_peak_bytes - budget)  # same plan: lower more
+            continue
+        plan = measure(candidate)
+        if plan.measured_peak_bytes <= budget:
+            return plan
+        tried.append(plan)
+        if last_resort or len(tried) == _MEASURE_ROUNDS:
+            break
+        target -= plan.measured_peak_bytes - budget
+    best = min(tried, key=lambda p: p.measured_peak_bytes)
+    choice = ", ".join(f"{k}: {n}" for k, n in _counts(best).items())
+    raise InfeasibleBudgetError(
+        f"hyper_parallel: the plans the cost model found for a peak of saved activations "
+        f"within {_fmt_bytes(budget)} ({budget} bytes) measured over it on the model "
+        f"({len(tried)} tried, each solved for the budget less the previous excess); the "
+        f"smallest measured {_fmt_bytes(best.measured_peak_bytes)} "
+        f"({best.measured_peak_bytes} bytes) with {choice} (error.plan, predicted "
+        f"{best.predicted_peak_bytes} bytes). Raise the budget"
+        + _more_candidates(profile.strategies)
+        + ", or shrink the batch; a profile whose layers share saved tensors in unusual "
+        "ways is worth reporting.",
+        int(budget), best.measured_peak_bytes, best, host)
+
+
+#: How many plans plan_activation_memory runs on the model before it gives up (each costs
+#: two steps: docs/design.md, "Planner"), and how many times it may solve (solving is
+#: milliseconds; a lowered budget can give a plan already measured).
+_MEASURE_ROUNDS = 3
+_SOLVE_ROUNDS = 8
 
 
 def _host_budget(value) -> int | None:

@@ -150,6 +150,77 @@ def test_plan_activation_memory_one_call():
     assert plan.predicted_peak_bytes <= plan.budget_bytes == int(0.5 * plan.none_peak_bytes)
 
 
+def test_plan_activation_memory_measures_its_plan():
+    model, x = _setup(layers=3)
+
+    def step():
+        model(x).backward()
+
+    plan = plan_activation_memory(model, step, 0.5)
+    assert plan.measured_peak_bytes is not None and plan.measured_step_seconds > 0
+    assert plan.measured_peak_bytes <= plan.budget_bytes
+    assert "measured on the model: peak" in plan.explain()
+    assert ActivationPlan.from_json(plan.to_json()) == plan
+    # the figure is the applied plan's, as the meter counts it afterwards
+    apply_activation_memory(model, plan)
+    try:
+        for _ in range(2):
+            with saved_activation_memory() as meter:
+                step()
+            SwapManager().synchronize()
+    finally:
+        remove_activation_memory(model)
+    assert meter.peak_bytes == plan.measured_peak_bytes
+
+
+def _misprofiled(monkeypatch, scale):
+    """plan_activation_memory on a profile whose kept bytes are ``scale`` of the truth
+    (a model whose sharing of saved tensors the profiles cannot see)."""
+    import hyper_parallel.core.activation_checkpoint._planner as planner
+
+    real = planner.profile_activation_memory
+    rounds = []
+
+    def wrong(*args, **kwargs):
+        prof = real(*args, **kwargs)
+        for costs in prof.costs.values():
+            for c in costs:
+                c.kept_bytes = int(c.kept_bytes * scale)
+        return prof
+
+    def counted(*args, **kwargs):
+        rounds.append(1)
+        return real_measure(*args, **kwargs)
+
+    real_measure = planner.measure_plan
+    monkeypatch.setattr(planner, "profile_activation_memory", wrong)
+    monkeypatch.setattr(planner, "measure_plan", counted)
+    return rounds
+
+
+def test_a_plan_measured_over_the_budget_is_solved_again_below_it(monkeypatch):
+    model, x = _setup(layers=4)
+    rounds = _misprofiled(monkeypatch, 0.5)
+    plan = plan_activation_memory(model, lambda: model(x).backward(), 0.3,
+                                  candidates=["checkpoint"])
+    # the first plan (solved on kept bytes halved) measured over; a later one fits
+    assert len(rounds) >= 2
+    assert plan.measured_peak_bytes <= plan.budget_bytes
+    assert plan.predicted_peak_bytes < plan.budget_bytes  # solved for a lowered target
+
+
+def test_no_measured_plan_within_the_budget_is_an_error(monkeypatch):
+    model, x = _setup(layers=4)
+    rounds = _misprofiled(monkeypatch, 0.0)  # recompute/swap layers "keep nothing"
+    with pytest.raises(InfeasibleBudgetError, match="measured over it on the model") as err:
+        plan_activation_memory(model, lambda: model(x).backward(), 0.1,
+                               candidates=["checkpoint"])
+    assert 1 <= len(rounds) <= 3
+    assert err.value.plan is not None
+    assert err.value.min_peak_bytes == err.value.plan.measured_peak_bytes > 0.1 * \
+        err.value.plan.none_peak_bytes
+
+
 def test_parse_budget():
     assert parse_budget("300MiB") == 300 << 20
     assert parse_budget("2GB") == 2 * 10**9
