@@ -60,17 +60,19 @@ Prediction evaluate(const StepProfile& p, const std::vector<int>& assignment) {
   const size_t n = p.num_layers();
   HP_CHECK_VALUE(assignment.size() == n, "the assignment has ", assignment.size(),
                  " entries for ", n, " layers");
+  HP_CHECK_VALUE(p.num_options() <= 64, "a planner profile needs 1 to 64 options (strategies), "
+                 "got ", p.num_options());
   std::vector<OptionCost> c(n);
+  uint64_t seen = 0;  // bit o: option o is used by the prefix
   for (size_t k = 0; k < n; ++k) {
     HP_CHECK_VALUE(assignment[k] >= 0 && static_cast<size_t>(assignment[k]) < p.num_options(),
                    "assignment[", k, "] = ", assignment[k], " is not an option index (0..",
                    p.num_options() - 1, ")");
     c[k] = p.effective(k, static_cast<size_t>(assignment[k]));
     // The shared charge (CostModel.h): the first layer of an option new to the prefix.
-    if (k > 0 && std::find(assignment.begin(), assignment.begin() + static_cast<long>(k),
-                           assignment[k]) == assignment.begin() + static_cast<long>(k)) {
-      c[k].kept_bytes += c[k].shared_bytes;
-    }
+    const uint64_t bit = uint64_t{1} << assignment[k];
+    if (k > 0 && (seen & bit) == 0) c[k].kept_bytes += c[k].shared_bytes;
+    seen |= bit;
   }
   Prediction out;
   auto consider = [&](int64_t bytes, int layer, bool backward) {

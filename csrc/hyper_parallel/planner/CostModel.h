@@ -128,8 +128,8 @@ struct Prediction {
 };
 
 // Predicts one assignment (an option index per layer) by simulating the schedule above
-// event by event. Throws c10::ValueError for an assignment of the wrong length or an
-// option index out of range.
+// event by event. Throws c10::ValueError for an assignment of the wrong length, an option
+// index out of range, or a profile of more than 64 options.
 Prediction evaluate(const StepProfile& profile, const std::vector<int>& assignment);
 
 }  // namespace hyper_parallel::planner
