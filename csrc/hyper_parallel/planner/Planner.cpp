@@ -56,8 +56,12 @@ int64_t round_down(int64_t bytes, int64_t quantum) {
 // offload bytes in its last layer being no worse in that respect (every later term that
 // reads the code, the backward sample point and the reload stall of the next layer, is
 // non-decreasing in those bytes).
+// `next_shared` (the search charging every run's first layer; else null): the next layer's
+// shared bytes per option. A label whose last option differs from another's pays that
+// option's shared bytes where the other continues its run, so it dominates only with
+// those bytes to spare (the futures are the same once the next option is chosen).
 void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
-           const std::vector<int64_t>* code_bytes) {
+           const std::vector<int64_t>* code_bytes, const std::vector<int64_t>* next_shared) {
   const bool by_code = code_bytes == nullptr;
   std::sort(labels.begin(), labels.end(), [by_code](const Label& a, const Label& b) {
     if (a.phase != b.phase) return a.phase < b.phase;
@@ -70,6 +74,11 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
   struct Front {
     int64_t host, off, held;  // held: kept + pending (the next forward sample point's)
     double time, backlog;
+    int16_t option;
+  };
+  // What `a` (last option a_option) may hold to dominate a label whose last option is `b`.
+  auto run_charge = [next_shared](int16_t a, int16_t b) -> int64_t {
+    return next_shared == nullptr || a == b || b < 0 ? 0 : (*next_shared)[static_cast<size_t>(b)];
   };
   std::vector<Front> front;
   size_t out = 0;
@@ -90,7 +99,8 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
       const double extra = f.backlog >= linear && l.backlog >= linear
                                ? f.backlog - l.backlog
                                : std::max(0.0, f.backlog - l.backlog);
-      if (f.host <= l.host && f.off <= off && f.held <= l.kept + l.pending &&
+      if (f.host <= l.host && f.off <= off &&
+          f.held + run_charge(f.option, l.option) <= l.kept + l.pending &&
           f.time + extra <= l.time + eps) {
         dominated = true;
         break;
@@ -106,11 +116,12 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
                                          ? l.backlog - f.backlog
                                          : std::max(0.0, l.backlog - f.backlog);
                                  return l.host <= f.host && off <= f.off &&
-                                        l.kept + l.pending <= f.held &&
+                                        l.kept + l.pending + run_charge(l.option, f.option) <=
+                                            f.held &&
                                         l.time + extra <= f.time;
                                }),
                 front.end());
-    front.push_back(Front{l.host, off, l.kept + l.pending, l.time, l.backlog});
+    front.push_back(Front{l.host, off, l.kept + l.pending, l.time, l.backlog, l.option});
     ++same_kept;
     labels[out++] = l;
   }
@@ -227,13 +238,13 @@ std::vector<uint64_t> Planner::masks(const std::vector<uint64_t>& allowed) const
   return out;
 }
 
-int64_t Planner::max_shared_charge() const {
-  // Each option is charged at most once, at one layer (CostModel.h).
+int64_t Planner::max_shared_charge(const std::vector<uint64_t>& masks) const {
+  // Each option is charged at most once, at one layer where it is allowed (CostModel.h).
   int64_t total = 0;
   for (size_t o = 0; o < profile_.num_options(); ++o) {
     int64_t most = 0;
     for (size_t k = 1; k < profile_.num_layers(); ++k) {
-      most = std::max(most, profile_.layers[k][o].shared_bytes);
+      if (masks[k] >> o & 1) most = std::max(most, profile_.layers[k][o].shared_bytes);
     }
     total += most;
   }
@@ -258,7 +269,7 @@ PlanResult Planner::solve(int64_t budget, const std::vector<uint64_t>& allowed,
     runs.stats.exact = false;
   }
   runs.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
-  PlanResult lowered = solve_uncharged(budget - max_shared_charge(), allowed, host_budget);
+  PlanResult lowered = solve_uncharged(budget - max_shared_charge(m), allowed, host_budget);
   lowered.stats.exact = false;
   lowered.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
   const bool runs_ok = runs.feasible && runs.prediction.peak_bytes <= budget;
@@ -445,7 +456,7 @@ PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_
   }
   // With a shared charge the least budget solve() meets lies in [hi, hi + charge]
   // (solve(hi + charge) searches at hi at worst, where a plan exists).
-  const int64_t charge = max_shared_charge();
+  const int64_t charge = max_shared_charge(m);
   if (charge > 0) {
     int64_t top = hi + charge, bottom = hi - 1;
     while (top - bottom > 1) {
@@ -530,6 +541,7 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
   std::vector<Label> cur{Label{0, 0, 0.0, 0.0, 0, -1, -1, kNoOffload}}, next;
   std::vector<OptionCost> cost(s);
   std::vector<int32_t> slots, counts;  // prune_capped's bins
+  std::vector<int64_t> next_shared;     // prune's run charges (charge_runs)
   for (size_t k = 0; k < n; ++k) {
     for (size_t o = 0; o < s; ++o) cost[o] = p.effective(k, o);
     const bool last = k + 1 == n;
@@ -625,8 +637,14 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
       prune_capped(next, most[k + 1], bucket, (budget - p.base_bytes) / bucket + 1, per_kept,
                    depth == 1 ? &class_bytes_[k] : nullptr, slots, counts);
     } else {
+      if (charge_runs) {
+        next_shared.assign(s, 0);
+        if (k + 1 < n) {
+          for (size_t o = 0; o < s; ++o) next_shared[o] = p.layers[k + 1][o].shared_bytes;
+        }
+      }
       prune(next, memory_only ? 0.0 : eps, memory_only ? kInf : most[k + 1], per_kept,
-            depth == 1 ? &class_bytes_[k] : nullptr);
+            depth == 1 ? &class_bytes_[k] : nullptr, charge_runs ? &next_shared : nullptr);
     }
     result.stats.labels_kept += static_cast<int64_t>(next.size());
     result.stats.widest_layer = std::max<int64_t>(result.stats.widest_layer,

@@ -57,9 +57,12 @@
 // used so far in every label). solve() checks the plan with evaluate(), which counts it;
 // a plan over the budget is searched twice more: charging the first layer of every run of
 // an option (a run start is a superset of "first of its option", so every plan found
-// fits; labels of different last options are still compared, so that search may miss
-// plans), and under the budget less the largest charge any plan can get (every plan
-// found fits too); the faster plan is returned, marked not exact. So a plan returned
+// fits; a label dominates one of another last option only with the next layer's shared
+// bytes of that option to spare, the charge it pays where the other continues its run,
+// so this search is exact for the run charge and finds every plan whose options each
+// run once), and under the budget less the largest charge any plan of the allowed
+// options can get (every plan found fits too); the faster plan is returned, marked not
+// exact. So a plan returned
 // meets its budget in the cost model; min_peak() binary-searches solve() over the
 // charge's range. Without shared bytes, or when the first plan fits, solve() is the
 // search alone.
@@ -178,8 +181,9 @@ class Planner {
   // solve() without the shared charge (the search as described above).
   PlanResult solve_uncharged(int64_t budget_bytes, const std::vector<uint64_t>& allowed,
                              int64_t host_budget_bytes) const;
-  // The largest shared charge of any assignment: per option, its largest shared_bytes.
-  int64_t max_shared_charge() const;
+  // The largest shared charge of any assignment within `masks` (masks()): per option, its
+  // largest shared_bytes over the layers (>= 1) that allow it.
+  int64_t max_shared_charge(const std::vector<uint64_t>& masks) const;
   // max_labels < 0: no limit.
   PlanResult search(int64_t budget_bytes, int64_t host_budget_bytes,
                     const std::vector<uint64_t>& allowed, bool memory_only, int64_t quantum,

@@ -221,6 +221,50 @@ def test_no_measured_plan_within_the_budget_is_an_error(monkeypatch):
         err.value.plan.none_peak_bytes
 
 
+class _MaskBlock(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.l = torch.nn.Linear(d, d)
+
+    def forward(self, x, mask):
+        return x + torch.tanh(self.l(x)) * mask  # the multiplication saves the mask
+
+
+def test_a_mask_every_layer_saves_does_not_hide_a_plan_that_fits():
+    # Every layer saves the same mask (shared bytes). Uniform checkpoint_swap fits its own
+    # measured peak; the solver had dropped it whenever checkpoint (same bytes at layer 0,
+    # faster) was a candidate too, and called the budget infeasible ("smallest reachable
+    # 5120 B" against 4096 B measured).
+    torch.manual_seed(0)
+    SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)
+    layers = torch.nn.ModuleList(_MaskBlock(32) for _ in range(4))
+    model = torch.nn.Module()
+    model.layers = layers
+    x, mask = torch.randn(8, 32), torch.rand(8, 32)
+
+    def step():
+        h = x
+        for layer in layers:
+            h = layer(h, mask)
+        h.sum().backward()
+
+    names = [f"layers.{i}" for i in range(4)]
+    apply_activation_memory(model, "checkpoint_swap", layers=names)
+    try:
+        for _ in range(2):
+            with saved_activation_memory() as meter:
+                step()
+            SwapManager().synchronize()
+    finally:
+        remove_activation_memory(model)
+        for p in model.parameters():
+            p.grad = None
+    budget = meter.peak_bytes
+    for candidates in (None, ["checkpoint", "checkpoint_swap"]):
+        plan = plan_activation_memory(model, step, budget, layers=names, candidates=candidates)
+        assert plan.measured_peak_bytes <= budget, candidates
+
+
 def test_parse_budget():
     assert parse_budget("300MiB") == 300 << 20
     assert parse_budget("2GB") == 2 * 10**9
