@@ -11,6 +11,7 @@ forward pre-hooks (training forwards run without a KV cache) and never edits the
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import weakref
@@ -750,6 +751,38 @@ def applied_report(model: nn.Module) -> ActivationMemoryReport | None:
     """The report of the plan currently applied to ``model``, or ``None``."""
     state = unwrapped(model).__dict__.get(_STATE)
     return None if state is None else state.report
+
+
+@contextlib.contextmanager
+def suspended_application(model: nn.Module):
+    """Takes the plan applied to ``model`` (if any) off for the enclosed code and puts it
+    back afterwards as it was, even when the code raises: the same layers (all those it
+    was applied to, whatever the enclosed code looks at), strategies and options, the
+    prefetch depth and offload window it set, and the settings that
+    :func:`remove_activation_memory` restores later. The enclosed code runs with the
+    engine settings that were in place before the plan set them.
+
+    Yields the :class:`ActivationMemoryReport` of the suspended plan, or ``None``.
+    """
+    from ..._extension import _C  # noqa: PLC0415
+
+    state: _Applied | None = unwrapped(model).__dict__.get(_STATE)
+    if state is None:
+        yield None
+        return
+    applied_engine = (SwapManager().get_prefetch_depth(), int(_C.offload_window()))
+    report, options, before = state.report, dict(state.options), state.engine
+    remove_activation_memory(model)
+    try:
+        yield report
+    finally:
+        remove_activation_memory(model)  # whatever the enclosed code left applied
+        strategies = report.strategies()
+        apply_activation_memory(model, strategies, layers=list(strategies), **options)
+        unwrapped(model).__dict__[_STATE].engine = before  # what removing it restores
+        depth, window = applied_engine  # what it ran with
+        SwapManager().set_prefetch_depth(depth)
+        _C.set_offload_window(window)
 
 
 def applied_options(model: nn.Module) -> dict | None:

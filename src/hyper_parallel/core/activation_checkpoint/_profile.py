@@ -53,8 +53,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from ._apply import (STRATEGIES, applied_options, applied_report, apply_activation_memory,
-                     remove_activation_memory)
+from ._apply import (STRATEGIES, apply_activation_memory, remove_activation_memory,
+                     suspended_application)
 from ._layers import resolve_layer_slots
 from ._memory import saved_activation_memory
 from ._swap_manager import SwapManager
@@ -689,7 +689,7 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
     slots = resolve_layer_slots(model, layers)
     layer_names = [s.name for s in slots]
     runs: dict[str, dict] = {}
-    with _left_as_found(model, params, device, layer_names) as state:
+    with _left_as_found(model, params, device) as state:
         link_d2h = link_h2d = CopyLink(0.0, 0.0)
         warmup = _run_step(step_fn, model, layer_names, device, params)
         state.check_parameters()
@@ -750,34 +750,29 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
 
 
 @contextlib.contextmanager
-def _left_as_found(model: nn.Module, params: list[nn.Parameter], device: torch.device,
-                   layer_names: list[str]):
+def _left_as_found(model: nn.Module, params: list[nn.Parameter], device: torch.device):
     """Runs the enclosed profiling steps on ``model`` with no strategy applied and the
     engine's offload window off, then leaves everything as it was: gradients, buffers,
     random number generators, the window, and the user's own application (with its
     options). Yields the :class:`_ModelState` (``check_parameters()`` after each step)."""
-    previous, previous_options = applied_report(model), applied_options(model)
-    state = _ModelState(model, params, device)
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    # The cost model's schedule submits every offload at its release point: profile with
-    # the engine's offload window off, or a slow link would keep released layers on the
-    # device and move their offload bytes to later layers' counters.
-    window = _C.offload_window()
-    _C.set_offload_window(0)
-    try:
-        remove_activation_memory(model)
-        yield state
-    finally:
-        _C.set_offload_window(window)
-        remove_activation_memory(model)
-        state.restore()
-        for p, g in zip(params, grads):
-            p.grad = g
-        if previous is not None:  # the user's own application, with its own options
-            apply_activation_memory(model, previous.strategies(), layers=layer_names,
-                                    **previous_options)
+    with suspended_application(model):  # the user's own, put back as it was
+        state = _ModelState(model, params, device)
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        # The cost model's schedule submits every offload at its release point: profile
+        # with the engine's offload window off, or a slow link would keep released layers
+        # on the device and move their offload bytes to later layers' counters.
+        window = _C.offload_window()
+        _C.set_offload_window(0)
+        try:
+            yield state
+        finally:
+            remove_activation_memory(model)  # first: it restores what its apply replaced
+            _C.set_offload_window(window)
+            state.restore()
+            for p, g in zip(params, grads):
+                p.grad = g
 
 
 def measure_plan(model: nn.Module, step_fn: Callable[[], object], plan, *,
@@ -801,7 +796,7 @@ def measure_plan(model: nn.Module, step_fn: Callable[[], object], plan, *,
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     layer_names = list(plan.strategies if hasattr(plan, "strategies") else plan)
-    with _left_as_found(model, params, device, layer_names) as state:
+    with _left_as_found(model, params, device) as state:
         apply_activation_memory(model, plan, layers=layer_names)
         for _ in range(steps):
             run = _run_step(step_fn, model, layer_names, device, params)

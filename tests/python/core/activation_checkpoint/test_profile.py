@@ -88,7 +88,8 @@ def test_cpu_link_carries_the_delay_and_not_the_probes_compute(delay_ns):
 from torch import nn  # noqa: E402
 
 from hyper_parallel.core.activation_checkpoint import (  # noqa: E402
-    apply_activation_memory, plan_activation_memory, profile_activation_memory)
+    apply_activation_memory, plan_activation_memory, profile_activation_memory,
+    remove_activation_memory)
 
 
 class _BnBlock(nn.Module):
@@ -208,6 +209,54 @@ def test_an_existing_application_comes_back_with_its_options():
     assert again.strategies() == report.strategies()
     assert applied_options(model) == {"policy_fn": None, "swap_inputs": True,
                                       "group_swap": True}
+
+
+def test_an_application_to_more_layers_than_are_planned_comes_back_whole():
+    # The user's application covers 4 layers, the profile 2 of them: it came back on the
+    # profiled names only, refused ("plan names layer 'layers.2', which is not one of the
+    # 2 layers") and left the model with no application at all.
+    from hyper_parallel.core.activation_checkpoint._apply import applied_report
+
+    model = _BnStack(4)
+    x = torch.randn(8, 16)
+    report = apply_activation_memory(model, "checkpoint")
+    profile_activation_memory(model, lambda: model(x).sum().backward(),
+                              layers=["layers.0", "layers.1"], candidates=["checkpoint"],
+                              repeats=1)
+    assert applied_report(model).strategies() == report.strategies()
+
+
+def test_an_applied_plans_engine_settings_survive_planning():
+    # An ActivationPlan sets the prefetch depth and offload window; profiling (and running
+    # a plan, measure_plan) took it off and put back its strategies only: the engine came
+    # back at (1, 0) instead of the plan's (2, 0), and removing the plan then restored
+    # window 0 instead of the 2 in place before it.
+    from hyper_parallel._extension import _C
+    from hyper_parallel.core.activation_checkpoint._planner import ActivationPlan
+    from hyper_parallel.core.activation_checkpoint._profile import measure_plan
+
+    SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)
+    model = _BnStack(3)
+    x = torch.randn(8, 16)
+    names = ["layers.0", "layers.1", "layers.2"]
+    window, depth = _C.offload_window(), SwapManager().get_prefetch_depth()
+    _C.set_offload_window(2)
+    try:
+        plan = ActivationPlan(strategies=dict.fromkeys(names, "swap"), budget_bytes=1,
+                              predicted_peak_bytes=1, predicted_step_seconds=0.0,
+                              none_peak_bytes=1, none_step_seconds=0.0, prefetch_depth=2)
+        apply_activation_memory(model, plan)
+        engine = (SwapManager().get_prefetch_depth(), _C.offload_window())
+        assert engine == (2, 0)
+        step = lambda: model(x).sum().backward()  # noqa: E731
+        profile_activation_memory(model, step, candidates=["swap"], repeats=1)
+        measure_plan(model, step, dict.fromkeys(names, "checkpoint"))
+        assert (SwapManager().get_prefetch_depth(), _C.offload_window()) == engine
+        assert remove_activation_memory(model)
+        assert (SwapManager().get_prefetch_depth(), _C.offload_window()) == (depth, 2)
+    finally:
+        _C.set_offload_window(window)
+        SwapManager().set_prefetch_depth(depth)
 
 
 # ---------------------------------------------------------------------------------------
