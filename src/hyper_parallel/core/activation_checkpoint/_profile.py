@@ -242,6 +242,12 @@ class _StepProbe:
         self.stall_start = [0.0] * n
         self.stall_end = [0.0] * n
         self.out_bytes = [0] * n
+        # forwards whose output's gradient has not arrived yet, and the most at once
+        self.live = [0] * n
+        self.most_live = [0] * n
+        # forwards run so far: only a layer's first forward and its backward are read (a
+        # step that accumulates gradients over passes is profiled by its first pass)
+        self.passes = [0] * n
         # the meter's peak and the engine's reload bytes when the last layer's forward ends
         # and when its backward begins
         self.peak_at_forward_end = self.peak_at_backward = None
@@ -256,6 +262,9 @@ class _StepProbe:
 
     def _pre(self, k):
         def hook(module, args, kwargs):
+            self.passes[k] += 1
+            if self.passes[k] > 1:
+                return
             _sync(self.device)
             stats = self._stats()
             self.off_before[k] = stats["offload_bytes"]
@@ -270,6 +279,12 @@ class _StepProbe:
 
     def _post(self, k):
         def hook(module, args, kwargs, output):
+            if self.passes[k] > 1:
+                y = _out_tensor(output)
+                if y is not None and y.requires_grad:
+                    y.register_hook(self._grad_out_again(k))
+                    self._went_live(k)
+                return None
             _sync(self.device)
             self.fwd_end[k] = time.perf_counter()
             stats = self._stats()
@@ -284,12 +299,23 @@ class _StepProbe:
                 self.out_bytes[k] = y.untyped_storage().nbytes()
                 if y.requires_grad:
                     y.register_hook(self._grad_out(k))
+                    self._went_live(k)
             return None
+        return hook
+
+    def _went_live(self, k):
+        self.live[k] += 1
+        self.most_live[k] = max(self.most_live[k], self.live[k])
+
+    def _grad_out_again(self, k):
+        def hook(grad):
+            self.live[k] = max(0, self.live[k] - 1)
         return hook
 
     def _grad_out(self, k):
         def hook(grad):
             _sync(self.device)
+            self.live[k] = max(0, self.live[k] - 1)
             self.bwd_start[k] = time.perf_counter()
             self.stall_start[k] = self._stats()["stall_seconds"]
             if k == self.n - 1 and self.meter is not None:
@@ -379,6 +405,7 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
         "tail_seconds": tail_seconds,
         "outside_seconds": max(0.0, end - start - busy - tail_seconds),
         "output_bytes": list(probe.out_bytes),
+        "most_live_forwards": list(probe.most_live),
     }
 
 
@@ -445,6 +472,14 @@ def _check_warmup(run: dict, layer_names: list[str]) -> None:
             "hyper_parallel: step_fn ran the forward but no backward (no parameter got a "
             "gradient); it must run one full training step without the optimizer, e.g. "
             "lambda: model(**batch).loss.backward().")
+    for name, most in zip(layer_names, run["most_live_forwards"]):
+        if most > 1:
+            raise ValueError(
+                f"hyper_parallel: step_fn runs the forward of layer {name!r} {most} times "
+                "before its backward (several passes through the layers, one backward); "
+                "the planner models one forward and one backward per layer and step. Give "
+                "a step_fn with one pass per backward (one micro-batch, one view), and "
+                "apply the plan to the real step.")
     starts = run["forward_starts"]
     for a, b, sa, sb in zip(layer_names, layer_names[1:], starts, starts[1:]):
         if sb < sa:
@@ -668,8 +703,10 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
 
     Raises:
         ValueError: for an unknown candidate or ``layers`` that match nothing; when the
-            first step runs none or only some of the layers, runs no backward, or runs
-            the layers in another order than ``layers`` gives.
+            first step runs none or only some of the layers, runs no backward, runs the
+            layers in another order than ``layers`` gives, or runs a layer's forward again
+            before its backward (two passes, one backward: gradient accumulation with a
+            backward per pass is fine).
         RuntimeError: when ``step_fn`` changes a parameter in place (an optimizer step);
             the model is restored before it is raised, as for any error of ``step_fn``.
     """

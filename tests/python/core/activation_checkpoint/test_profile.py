@@ -166,6 +166,10 @@ def test_a_step_that_updates_the_weights_is_refused_and_nothing_changes():
     (lambda m, x: m(x).sum(), "no backward"),
     (lambda m, x: None, "ran none of the layers"),
     (lambda m, x: m.layers[0](x).sum().backward(), "did not run the forward of layer"),
+    # two passes, one backward: the probe kept the second pass's readings and the
+    # planner called budgets that uniform checkpoint_swap meets infeasible
+    (lambda m, x: (m(x) + m(x)).sum().backward(), "runs the forward of layer 'layers.0' 2 "
+                                                   "times before its backward"),
 ])
 def test_a_step_that_is_not_a_training_step_is_refused(step, message):
     # R8: a step with no backward, no forward through the layers, or only some layers.
@@ -175,6 +179,25 @@ def test_a_step_that_is_not_a_training_step_is_refused(step, message):
         plan_activation_memory(model, lambda: step(model, x), 0.5,
                                candidates=["none", "checkpoint"])
     assert all(type(layer) is _BnBlock for layer in model.layers)
+
+
+def test_a_backward_per_pass_is_a_training_step():
+    # gradient accumulation: each pass has its own backward, so no layer has two forwards
+    # waiting for one; the profile is the first pass's (the last pass's had read layer 0
+    # as keeping nothing: the meter counts a storage once per step, and the input it
+    # saves is the same storage in every pass)
+    model = _BnStack()
+    x = torch.randn(8, 16)
+
+    def step():
+        for _ in range(2):
+            model(x).sum().backward()
+
+    profile = profile_activation_memory(model, step, candidates=["checkpoint"], repeats=1)
+    one = profile_activation_memory(model, lambda: model(x).sum().backward(),
+                                    candidates=["checkpoint"], repeats=1)
+    assert [c.kept_bytes for c in profile.costs["checkpoint"]] == \
+        [c.kept_bytes for c in one.costs["checkpoint"]]
 
 
 def test_layers_out_of_forward_order_are_refused():
