@@ -660,8 +660,10 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
     raise InfeasibleBudgetError(
         f"hyper_parallel: the plans the cost model found for a peak of saved activations "
         f"within {_fmt_bytes(budget)} ({budget} bytes) measured over it on the model "
-        f"({len(tried)} tried, each solved for the budget less the previous excess); the "
-        f"smallest measured {_fmt_bytes(best.measured_peak_bytes)} "
+        + ("(1 plan tried: no smaller one is predicted)" if len(tried) == 1 else
+           f"({len(tried)} plans tried, each solved for the budget less the previous "
+           "plan's excess)")
+        + f"; the smallest measured {_fmt_bytes(best.measured_peak_bytes)} "
         f"({best.measured_peak_bytes} bytes) with {choice} (error.plan, predicted "
         f"{best.predicted_peak_bytes} bytes). Raise the budget"
         + _more_candidates(profile.strategies)
@@ -691,4 +693,11 @@ def _host_budget(value) -> int | None:
             raise ValueError(f"hyper_parallel: host_budget_bytes must be between 0 and "
                              f"{_MAX_BYTES} bytes, got {value}")
         return value
-    return parse_budget(value)
+    try:
+        return parse_budget(value)
+    except ValueError as err:
+        if "fractional budget" not in str(err):
+            raise ValueError(str(err).replace("budget ", "host_budget_bytes ", 1)) from None
+        raise ValueError(f"hyper_parallel: host_budget_bytes {value!r} reads as a fraction, "
+                         "but a host budget has no 'none' peak to be a fraction of; pass "
+                         "bytes (an int), a size string (8GiB) or a PinnedMemoryPool") from None

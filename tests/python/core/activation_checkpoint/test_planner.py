@@ -212,7 +212,8 @@ def test_a_plan_measured_over_the_budget_is_solved_again_below_it(monkeypatch):
 def test_no_measured_plan_within_the_budget_is_an_error(monkeypatch):
     model, x = _setup(layers=4)
     rounds = _misprofiled(monkeypatch, 0.0)  # recompute/swap layers "keep nothing"
-    with pytest.raises(InfeasibleBudgetError, match="measured over it on the model") as err:
+    with pytest.raises(InfeasibleBudgetError, match="measured over it on the model .*plans? "
+                       "tried") as err:
         plan_activation_memory(model, lambda: model(x).backward(), 0.1,
                                candidates=["checkpoint"])
     assert 1 <= len(rounds) <= 3
@@ -294,6 +295,8 @@ def test_bad_budget_is_refused_before_profiling():
             plan_activation_memory(model, step, bad)
     with pytest.raises(ValueError, match="host_budget_bytes"):
         plan_activation_memory(model, step, "1MiB", host_budget_bytes=10**30)
+    with pytest.raises(ValueError, match="host_budget_bytes 0.5 reads as a fraction"):
+        plan_activation_memory(model, step, "1MiB", host_budget_bytes=0.5)
     assert steps == []  # the step never ran
 
 
