@@ -162,15 +162,23 @@ def test_plan_activation_memory_measures_its_plan():
     assert "measured on the model: peak" in plan.explain()
     assert ActivationPlan.from_json(plan.to_json()) == plan
     # the figure is the applied plan's, as the meter counts it afterwards
-    apply_activation_memory(model, plan)
+    assert _applied_peak(model, step, plan) == plan.measured_peak_bytes
+
+
+def _applied_peak(model, step, plan, **apply_kwargs) -> int:
+    """The meter's peak of the second of two steps with ``plan`` applied (the first teaches
+    the engine the chain's last layer); gradients reset after each."""
+    apply_activation_memory(model, plan, **apply_kwargs)
     try:
         for _ in range(2):
             with saved_activation_memory() as meter:
                 step()
             SwapManager().synchronize()
+            for p in model.parameters():
+                p.grad = None
     finally:
         remove_activation_memory(model)
-    assert meter.peak_bytes == plan.measured_peak_bytes
+    return meter.peak_bytes
 
 
 def _misprofiled(monkeypatch, scale):
@@ -250,17 +258,7 @@ def test_a_mask_every_layer_saves_does_not_hide_a_plan_that_fits():
         h.sum().backward()
 
     names = [f"layers.{i}" for i in range(4)]
-    apply_activation_memory(model, "checkpoint_swap", layers=names)
-    try:
-        for _ in range(2):
-            with saved_activation_memory() as meter:
-                step()
-            SwapManager().synchronize()
-    finally:
-        remove_activation_memory(model)
-        for p in model.parameters():
-            p.grad = None
-    budget = meter.peak_bytes
+    budget = _applied_peak(model, step, "checkpoint_swap", layers=names)
     for candidates in (None, ["checkpoint", "checkpoint_swap"]):
         plan = plan_activation_memory(model, step, budget, layers=names, candidates=candidates)
         assert plan.measured_peak_bytes <= budget, candidates

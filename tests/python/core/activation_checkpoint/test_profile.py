@@ -426,7 +426,6 @@ class _ViewBlock(torch.nn.Module):
 
 def test_a_storage_two_layers_save_is_reloaded_with_the_later_one():
     from hyper_parallel.core.activation_checkpoint import profile_activation_memory
-    from hyper_parallel.core.activation_checkpoint._planner import predict
 
     torch.manual_seed(0)
     blocks = torch.nn.ModuleList(_ViewBlock(32) for _ in range(4))
@@ -454,9 +453,17 @@ def test_a_storage_two_layers_save_is_reloaded_with_the_later_one():
     # 8192 B measured for uniform swap when it used the first).
     profile = profile_activation_memory(model, step, layers=layers, repeats=1)
     assert set(profile.measured) >= {"none", "swap", "checkpoint_swap", "selective_swap"}
-    for strategy, measured in profile.measured.items():
-        predicted = predict(profile, [strategy] * 4, offload_window=0)["peak_bytes"]
-        assert predicted == measured["peak_bytes"], strategy
+    for strategy, (predicted, measured) in _uniform_peaks(profile).items():
+        assert predicted == measured, strategy
+
+
+def _uniform_peaks(profile) -> dict[str, tuple[int, int]]:
+    """Per profiled strategy: the peak predicted for it on every layer, and as measured."""
+    from hyper_parallel.core.activation_checkpoint._planner import predict
+
+    n = len(profile.layer_names)
+    return {s: (predict(profile, [s] * n, offload_window=0)["peak_bytes"], m["peak_bytes"])
+            for s, m in profile.measured.items()}
 
 
 class _AuxBlock(nn.Module):
@@ -473,8 +480,6 @@ class _AuxBlock(nn.Module):
 
 
 def test_what_the_caller_saves_of_a_layers_output_is_that_layers():
-    from hyper_parallel.core.activation_checkpoint._planner import predict
-
     torch.manual_seed(0)
 
     class Stack(nn.Module):
@@ -500,14 +505,11 @@ def test_what_the_caller_saves_of_a_layers_output_is_that_layers():
     # Once a layer recomputes tanh, the caller's multiplication is what saves it, outside
     # every layer's forward: it had been counted nowhere (checkpoint predicted 8192 B
     # against 16384 B measured, checkpoint_swap 6144 B against 12288 B).
-    for strategy, measured in profile.measured.items():
-        predicted = predict(profile, [strategy] * 4, offload_window=0)["peak_bytes"]
-        assert predicted == measured["peak_bytes"], strategy
+    for strategy, (predicted, measured) in _uniform_peaks(profile).items():
+        assert predicted == measured, strategy
 
 
 def test_a_window_that_counts_less_than_nothing_is_settled_after_attribution():
-    from hyper_parallel.core.activation_checkpoint._planner import predict
-
     torch.manual_seed(0)
     dims = [256, 16, 256, 16, 256]  # alternating widths: a wide input follows a narrow layer
 
@@ -533,8 +535,7 @@ def test_a_window_that_counts_less_than_nothing_is_settled_after_attribution():
     # Layer 1 saves a narrow input while layer 0's wide one leaves inside its window: the
     # meter falls over that window. Clipped to 0 before the offloads were attributed, the
     # wide input was counted twice (checkpoint_swap: 196 608 B predicted, 135 168 measured).
-    for strategy, measured in profile.measured.items():
-        predicted = predict(profile, [strategy] * 4, offload_window=0)["peak_bytes"]
-        assert predicted >= measured["peak_bytes"], strategy
+    for strategy, (predicted, measured) in _uniform_peaks(profile).items():
+        assert predicted >= measured, strategy
         if strategy in ("none", "checkpoint", "checkpoint_swap"):
-            assert predicted == measured["peak_bytes"], strategy
+            assert predicted == measured, strategy
