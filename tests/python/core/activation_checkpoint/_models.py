@@ -70,3 +70,25 @@ def run_reversed_accumulation(model: nn.Module, ref: nn.Module, x1, x2) -> None:
         l1, l2 = m(x1), m(x2)
         l2.backward()
         l1.backward()
+
+
+def applied_peak(model: nn.Module, step, plan, **apply_kwargs) -> int:
+    """The saved-activation meter's peak (bytes) of the second of two steps with ``plan``
+    applied (the first teaches the engine the chain's last layer); gradients are reset
+    after each step and the plan is removed afterwards."""
+    from hyper_parallel.core.activation_checkpoint import (SwapManager,
+                                                           apply_activation_memory,
+                                                           remove_activation_memory,
+                                                           saved_activation_memory)
+
+    apply_activation_memory(model, plan, **apply_kwargs)
+    try:
+        for _ in range(2):
+            with saved_activation_memory() as meter:
+                step()
+            SwapManager().synchronize()
+            for p in model.parameters():
+                p.grad = None
+    finally:
+        remove_activation_memory(model)
+    return meter.peak_bytes

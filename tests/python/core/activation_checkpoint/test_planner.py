@@ -24,7 +24,7 @@ from hyper_parallel.core.activation_checkpoint import (
 )
 from hyper_parallel.core.activation_checkpoint._planner import plan_from_profile, predict
 
-from ._models import Stack, assert_bitwise, grads, twin
+from ._models import Stack, applied_peak, assert_bitwise, grads, twin
 
 
 def _setup(layers=4, d=32):
@@ -162,23 +162,7 @@ def test_plan_activation_memory_measures_its_plan():
     assert "measured on the model: peak" in plan.explain()
     assert ActivationPlan.from_json(plan.to_json()) == plan
     # the figure is the applied plan's, as the meter counts it afterwards
-    assert _applied_peak(model, step, plan) == plan.measured_peak_bytes
-
-
-def _applied_peak(model, step, plan, **apply_kwargs) -> int:
-    """The meter's peak of the second of two steps with ``plan`` applied (the first teaches
-    the engine the chain's last layer); gradients reset after each."""
-    apply_activation_memory(model, plan, **apply_kwargs)
-    try:
-        for _ in range(2):
-            with saved_activation_memory() as meter:
-                step()
-            SwapManager().synchronize()
-            for p in model.parameters():
-                p.grad = None
-    finally:
-        remove_activation_memory(model)
-    return meter.peak_bytes
+    assert applied_peak(model, step, plan) == plan.measured_peak_bytes
 
 
 def _misprofiled(monkeypatch, scale):
@@ -258,7 +242,7 @@ def test_a_mask_every_layer_saves_does_not_hide_a_plan_that_fits():
         h.sum().backward()
 
     names = [f"layers.{i}" for i in range(4)]
-    budget = _applied_peak(model, step, "checkpoint_swap", layers=names)
+    budget = applied_peak(model, step, "checkpoint_swap", layers=names)
     for candidates in (None, ["checkpoint", "checkpoint_swap"]):
         plan = plan_activation_memory(model, step, budget, layers=names, candidates=candidates)
         assert plan.measured_peak_bytes <= budget, candidates

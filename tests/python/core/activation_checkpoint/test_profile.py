@@ -16,6 +16,8 @@ from hyper_parallel.core.activation_checkpoint._profile import (
     measure_copy_links,
 )
 
+from ._models import applied_peak
+
 
 def test_fit_recovers_an_exact_line_whatever_the_sample_counts():
     lat, spb = 40e-6, 1.5e-9
@@ -369,23 +371,9 @@ def test_profile_gives_each_layer_its_deferred_input(llama_profile):
 
 
 def _measured_peak(model, step, plan):
-    from hyper_parallel.core.activation_checkpoint import (apply_activation_memory,
-                                                           remove_activation_memory,
-                                                           saved_activation_memory)
-
     SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)  # each test starts with it off
     names = [f"model.layers.{k}" for k in range(len(plan))]
-    apply_activation_memory(model, dict(zip(names, plan)))
-    try:
-        for _ in range(2):  # the first step teaches the engine the chain's last layer
-            with saved_activation_memory() as meter:
-                step()
-            SwapManager().synchronize()
-            for p in model.parameters():
-                p.grad = None
-    finally:
-        remove_activation_memory(model)
-    return meter.peak_bytes
+    return applied_peak(model, step, dict(zip(names, plan)))
 
 
 def test_shared_inputs_are_measured_and_mixed_plans_never_predicted_low(llama_profile):
