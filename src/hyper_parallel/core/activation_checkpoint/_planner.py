@@ -377,8 +377,11 @@ def _why(profile: ActivationProfile, k: int, s: str, kept: int, off: int, added:
 def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
                       candidates: Sequence[str] | None = None,
                       prefetch_depth: int | None = None,
-                      host_budget_bytes: int | None = None) -> ActivationPlan:
-    """The fastest plan within ``budget_bytes`` from a profile (no model run).
+                      host_budget_bytes: int | None = None,
+                      model: nn.Module | None = None,
+                      step_fn: Callable[[], object] | None = None) -> ActivationPlan:
+    """The fastest plan within ``budget_bytes`` from a profile (no model run, unless
+    ``model`` and ``step_fn`` are given).
 
     Args:
         profile: what :func:`profile_activation_memory` measured.
@@ -391,6 +394,10 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
             ``None``: unbounded). Predicted host bytes are payload bytes: a
             :class:`PinnedMemoryPool` rounds blocks up to size classes (at most 25 %
             more), so leave that headroom below its ``max_host_bytes``.
+        model, step_fn: the profiled model and step (both or neither): the plan is then
+            run on the model and solved again while it measures over the budget, as
+            :func:`plan_activation_memory` does (one process; its ``measured_*`` fields
+            set).
 
     Raises:
         InfeasibleBudgetError: when no plan of the candidates meets the budgets.
@@ -404,6 +411,23 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
             host_budget_bytes, int) or host_budget_bytes < 0):
         raise ValueError(f"hyper_parallel: host_budget_bytes must be None or an int number of "
                          f"bytes >= 0, got {host_budget_bytes!r}")
+    if (model is None) != (step_fn is None):
+        raise ValueError("hyper_parallel: plan_from_profile needs model and step_fn together "
+                         "(to run its plan on the model) or neither")
+    if model is not None:
+        def decide(target: int) -> ActivationPlan:
+            return plan_from_profile(profile, target, candidates=candidates,
+                                     prefetch_depth=prefetch_depth,
+                                     host_budget_bytes=host_budget_bytes)
+
+        def measure(plan: ActivationPlan) -> ActivationPlan:
+            got = measure_plan(model, step_fn, plan)
+            return dataclasses.replace(plan, budget_bytes=int(budget_bytes),
+                                       measured_peak_bytes=int(got["peak_bytes"]),
+                                       measured_step_seconds=float(got["step_seconds"]))
+
+        decide(budget_bytes)  # the arguments' errors (and an infeasible budget) before any step
+        return _closed_loop(budget_bytes, decide, measure, profile.strategies)
     depth = _depth(prefetch_depth)
     candidates = _nonempty(candidates)
     names = check_candidates(candidates) if candidates is not None else profile.strategies
@@ -626,6 +650,15 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
         return dataclasses.replace(plan, budget_bytes=int(budget), measured_peak_bytes=int(peak),
                                    measured_step_seconds=float(seconds))
 
+    return _closed_loop(budget, decide, measure, profile.strategies)
+
+
+def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
+                 measure: Callable[[ActivationPlan], ActivationPlan],
+                 strategies: Sequence[str]) -> ActivationPlan:
+    """The plan ``decide(target)`` gives for the budget, run on the model by ``measure``
+    (which returns it with ``measured_peak_bytes`` set); re-solved below the budget while
+    it measures over it (docs/design.md, "Closed loop")."""
     # Closed loop: the cost model composes per-strategy profiles, and a model can share
     # storages between layers in ways no uniform profile shows (a layer whose output the
     # next one saves as its input: who pays for it depends on both strategies). So the
@@ -666,10 +699,10 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
         + f"; the smallest measured {_fmt_bytes(best.measured_peak_bytes)} "
         f"({best.measured_peak_bytes} bytes) with {choice} (error.plan, predicted "
         f"{best.predicted_peak_bytes} bytes). Raise the budget"
-        + _more_candidates(profile.strategies)
+        + _more_candidates(strategies)
         + ", or shrink the batch; a profile whose layers share saved tensors in unusual "
         "ways is worth reporting.",
-        int(budget), best.measured_peak_bytes, best, host)
+        int(budget), best.measured_peak_bytes, best, best.host_budget_bytes)
 
 
 #: How many plans plan_activation_memory runs on the model before it gives up (each costs

@@ -165,6 +165,19 @@ def test_plan_activation_memory_measures_its_plan():
     assert applied_peak(model, step, plan) == plan.measured_peak_bytes
 
 
+def test_plan_from_profile_runs_its_plan_when_given_the_model(profiled):
+    model, x, prof = profiled
+    SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)  # as it was profiled
+    budget = int(0.5 * prof.none_peak_bytes)
+    plain = plan_from_profile(prof, budget)
+    assert plain.measured_peak_bytes is None  # no model, no run
+    plan = plan_from_profile(prof, budget, model=model, step_fn=lambda: model(x).backward())
+    assert plan.strategies == plain.strategies  # the profile's plan fits here
+    assert 0 < plan.measured_peak_bytes <= budget
+    with pytest.raises(ValueError, match="model and step_fn together"):
+        plan_from_profile(prof, budget, model=model)
+
+
 def _misprofiled(monkeypatch, scale):
     """plan_activation_memory on a profile whose kept bytes are ``scale`` of the truth
     (a model whose sharing of saved tensors the profiles cannot see)."""
