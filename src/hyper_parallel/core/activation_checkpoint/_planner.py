@@ -426,8 +426,13 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
                                        measured_peak_bytes=int(got["peak_bytes"]),
                                        measured_step_seconds=float(got["step_seconds"]))
 
-        decide(budget_bytes)  # the arguments' errors (and an infeasible budget) before any step
-        return _closed_loop(budget_bytes, decide, measure, profile.strategies)
+        try:
+            decide(budget_bytes)  # the arguments' errors before any step runs
+        except InfeasibleBudgetError:
+            pass  # the closed loop has the last word (a uniform plan may still fit)
+        return _closed_loop(budget_bytes, decide, measure, profile.strategies,
+                            _uniform_within(profile, budget_bytes, candidates,
+                                            _depth(prefetch_depth), host_budget_bytes))
     depth = _depth(prefetch_depth)
     candidates = _nonempty(candidates)
     names = check_candidates(candidates) if candidates is not None else profile.strategies
@@ -650,15 +655,49 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
         return dataclasses.replace(plan, budget_bytes=int(budget), measured_peak_bytes=int(peak),
                                    measured_step_seconds=float(seconds))
 
-    return _closed_loop(budget, decide, measure, profile.strategies)
+    return _closed_loop(budget, decide, measure, profile.strategies,
+                        _uniform_within(profile, budget, candidates, depth, host))
+
+
+def _uniform_within(profile: ActivationProfile, budget: int, candidates, depth: int,
+                    host: int | None) -> list[ActivationPlan]:
+    """The uniform plans of the candidates whose profiled steps measured within the budget
+    (and, under a host budget, are predicted within it), fastest measured first: what the
+    closed loop falls back to when the cost model misses (docs/design.md, "Closed loop")."""
+    names = check_candidates(candidates) if candidates is not None else profile.strategies
+    n = len(profile.layer_names)
+    out = []
+    for s in sorted((s for s in names if s in profile.measured),
+                    key=lambda s: profile.measured[s]["step_seconds"]):
+        if profile.measured[s]["peak_bytes"] > budget:
+            continue
+        index = profile.strategies.index(s)
+        prediction = predict(profile, [s] * n, prefetch_depth=depth, offload_window=0)
+        if host is not None and prediction["offload_bytes"] > host:
+            continue
+        out.append(_plan(profile, [index] * n, prediction, budget, depth, host))
+    return out
 
 
 def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
                  measure: Callable[[ActivationPlan], ActivationPlan],
-                 strategies: Sequence[str]) -> ActivationPlan:
+                 strategies: Sequence[str],
+                 uniform: Sequence[ActivationPlan] = ()) -> ActivationPlan:
     """The plan ``decide(target)`` gives for the budget, run on the model by ``measure``
     (which returns it with ``measured_peak_bytes`` set); re-solved below the budget while
-    it measures over it (docs/design.md, "Closed loop")."""
+    it measures over it, then the ``uniform`` plans the profile measured within it, in
+    order (docs/design.md, "Closed loop")."""
+
+    def fallback() -> ActivationPlan | None:
+        for plan in uniform[:_UNIFORM_ROUNDS]:
+            if any(p.strategies == plan.strategies for p in tried):
+                continue
+            plan = measure(plan)
+            if plan.measured_peak_bytes <= budget:
+                return plan
+            tried.append(plan)
+        return None
+
     # Closed loop: the cost model composes per-strategy profiles, and a model can share
     # storages between layers in ways no uniform profile shows (a layer whose output the
     # next one saves as its input: who pays for it depends on both strategies). So the
@@ -673,8 +712,15 @@ def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
         try:
             candidate = decide(max(1, target))
         except InfeasibleBudgetError as err:
-            if not tried or err.plan is None:
+            if not tried:
+                # the cost model finds nothing; a uniform plan the profile measured within
+                # the budget says otherwise (a model it mispredicts)
+                found = fallback()
+                if found is not None:
+                    return found
                 raise
+            if err.plan is None:
+                break
             candidate, last_resort = err.plan, True
         if any(p.strategies == candidate.strategies for p in tried):
             if last_resort:
@@ -688,6 +734,9 @@ def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
         if last_resort or len(tried) == _MEASURE_ROUNDS:
             break
         target -= plan.measured_peak_bytes - budget
+    found = fallback()
+    if found is not None:
+        return found
     best = min(tried, key=lambda p: p.measured_peak_bytes)
     choice = ", ".join(f"{k}: {n}" for k, n in _counts(best).items())
     raise InfeasibleBudgetError(
@@ -710,6 +759,7 @@ def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
 #: milliseconds; a lowered budget can give a plan already measured).
 _MEASURE_ROUNDS = 3
 _SOLVE_ROUNDS = 8
+_UNIFORM_ROUNDS = 2  # uniform plans measured after those (the profile measured them fit)
 
 
 def _host_budget(value) -> int | None:

@@ -248,6 +248,9 @@ class _StepProbe:
         # forwards run so far: only a layer's first forward and its backward are read (a
         # step that accumulates gradients over passes is profiled by its first pass)
         self.passes = [0] * n
+        # a forward under no_grad / inference mode (an evaluation pass) saves nothing for
+        # backward and is not a pass: its hooks read nothing
+        self.graded = [True] * n
         # the meter's peak and the engine's reload bytes when the last layer's forward ends
         # and when its backward begins
         self.peak_at_forward_end = self.peak_at_backward = None
@@ -262,6 +265,9 @@ class _StepProbe:
 
     def _pre(self, k):
         def hook(module, args, kwargs):
+            self.graded[k] = torch.is_grad_enabled()
+            if not self.graded[k]:
+                return
             self.passes[k] += 1
             if self.passes[k] > 1:
                 return
@@ -279,6 +285,8 @@ class _StepProbe:
 
     def _post(self, k):
         def hook(module, args, kwargs, output):
+            if not self.graded[k]:
+                return None
             if self.passes[k] > 1:
                 y = _out_tensor(output)
                 if y is not None and y.requires_grad:

@@ -214,6 +214,18 @@ def test_a_plan_measured_over_the_budget_is_solved_again_below_it(monkeypatch):
     assert plan.predicted_peak_bytes < plan.budget_bytes  # solved for a lowered target
 
 
+def test_a_uniform_plan_measured_within_the_budget_is_the_fallback(monkeypatch):
+    # The cost model over-predicts every plan (kept bytes x 10) and finds none within the
+    # budget, but the profile measured uniform checkpoint within it: that plan, measured
+    # again, is returned instead of a false InfeasibleBudgetError.
+    model, x = _setup(layers=4)
+    rounds = _misprofiled(monkeypatch, 10.0)
+    plan = plan_activation_memory(model, lambda: model(x).backward(), 0.3,
+                                  candidates=["checkpoint"])
+    assert set(plan.strategies.values()) == {"checkpoint"}
+    assert len(rounds) == 1 and plan.measured_peak_bytes <= plan.budget_bytes
+
+
 def test_no_measured_plan_within_the_budget_is_an_error(monkeypatch):
     model, x = _setup(layers=4)
     rounds = _misprofiled(monkeypatch, 0.0)  # recompute/swap layers "keep nothing"

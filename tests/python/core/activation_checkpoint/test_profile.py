@@ -202,6 +202,25 @@ def test_a_backward_per_pass_is_a_training_step():
         [c.kept_bytes for c in one.costs["checkpoint"]]
 
 
+def test_a_forward_without_grad_is_not_a_pass():
+    # an evaluation pass under no_grad before the training pass: the probe had read it
+    # as every layer's forward (kept 0 bytes everywhere, the training pass as the tail)
+    model = _BnStack()
+    x = torch.randn(8, 16)
+
+    def step():
+        with torch.no_grad():
+            model(x)
+        model(x).sum().backward()
+
+    profile = profile_activation_memory(model, step, candidates=["checkpoint"], repeats=1)
+    one = profile_activation_memory(model, lambda: model(x).sum().backward(),
+                                    candidates=["checkpoint"], repeats=1)
+    for s in ("none", "checkpoint"):
+        assert [c.kept_bytes for c in profile.costs[s]] == [c.kept_bytes for c in one.costs[s]]
+    assert profile.tail_bytes == one.tail_bytes
+
+
 def test_layers_out_of_forward_order_are_refused():
     # R11: the cost model's schedule follows the given order; a wrong order gave wrong
     # figures (a smallest reachable peak above "none"'s own).
