@@ -21,7 +21,7 @@ from torch import nn
 from hyper_parallel._extension import _C
 
 from ._apply import STRATEGIES
-from ._profile import (ActivationProfile, check_candidates, measure_plan,
+from ._profile import (ActivationProfile, check_candidates, measure_plan, model_device,
                        profile_activation_memory)
 from ._swap_manager import SwapManager
 
@@ -415,24 +415,16 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
         raise ValueError("hyper_parallel: plan_from_profile needs model and step_fn together "
                          "(to run its plan on the model) or neither")
     if model is not None:
-        def decide(target: int) -> ActivationPlan:
-            return plan_from_profile(profile, target, candidates=candidates,
-                                     prefetch_depth=prefetch_depth,
-                                     host_budget_bytes=host_budget_bytes)
-
-        def measure(plan: ActivationPlan) -> ActivationPlan:
-            got = measure_plan(model, step_fn, plan)
-            return dataclasses.replace(plan, budget_bytes=int(budget_bytes),
-                                       measured_peak_bytes=int(got["peak_bytes"]),
-                                       measured_step_seconds=float(got["step_seconds"]))
-
-        try:
-            decide(budget_bytes)  # the arguments' errors before any step runs
-        except InfeasibleBudgetError:
-            pass  # the closed loop has the last word (a uniform plan may still fit)
-        return _closed_loop(budget_bytes, decide, measure, profile.strategies,
-                            _uniform_within(profile, budget_bytes, candidates,
-                                            _depth(prefetch_depth), host_budget_bytes))
+        # The loop's first solve checks the remaining arguments before any step runs.
+        return _closed_loop(
+            budget_bytes,
+            lambda target: plan_from_profile(profile, target, candidates=candidates,
+                                             prefetch_depth=prefetch_depth,
+                                             host_budget_bytes=host_budget_bytes),
+            lambda plan: _measured(plan, model, step_fn, budget_bytes),
+            profile.strategies,
+            lambda: _uniform_within(profile, budget_bytes, candidates, _depth(prefetch_depth),
+                                    host_budget_bytes))
     depth = _depth(prefetch_depth)
     candidates = _nonempty(candidates)
     names = check_candidates(candidates) if candidates is not None else profile.strategies
@@ -508,19 +500,23 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
-def parse_budget(text: str | int | float, none_peak_bytes: int | None = None) -> int:
+def parse_budget(text: str | int | float, none_peak_bytes: int | None = None, *,
+                 name: str = "budget") -> int:
     """Bytes from ``"300MiB"``, ``"2GB"``, ``"123456"``, ``"1.5e9"`` or a fraction of
     "none"'s peak (``"0.4"`` or ``0.4``: a number in (0, 1] written with a point or an
     exponent, which needs ``none_peak_bytes``). Any other number without a unit (or with
     ``B``), string or float alike, is bytes and must be a whole number (``"1.5"`` and
     ``1.5`` are both refused; ``"1.5MiB"`` is 1572864 bytes).
 
+    ``name``: what the messages call the value (``"host_budget_bytes"``).
+
     Raises:
         ValueError: for anything else: not a number or size, NaN or infinite, zero or
-            negative, a fraction of bytes, more than 2**63 - 1 bytes.
+            negative, a fraction of bytes, more than 2**63 - 1 bytes; a fraction without
+            ``none_peak_bytes``.
     """
     if isinstance(text, bool) or not isinstance(text, (int, float, str)):
-        raise ValueError(f"hyper_parallel: budget {text!r} is not a size; pass bytes (an "
+        raise ValueError(f"hyper_parallel: {name} {text!r} is not a size; pass bytes (an "
                          "int), a size string (300MiB, 2GB) or a fraction of none's peak (0.4)")
     if isinstance(text, int):
         value, unit, fraction = float(text), "", False
@@ -529,22 +525,24 @@ def parse_budget(text: str | int | float, none_peak_bytes: int | None = None) ->
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"hyper_parallel: budget {text!r} is neither a fraction of none's "
+            raise ValueError(f"hyper_parallel: {name} {text!r} is neither a fraction of none's "
                              "peak (e.g. 0.4) nor a size (e.g. 300MiB, 2GB, 123456)")
         value, unit = float(m.group(1)), m.group(2).lower()
         fraction = unit == "" and 0 < value <= 1 and any(c in m.group(1) for c in ".eE")
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"hyper_parallel: budget {text!r} must be a positive, finite size")
+        raise ValueError(f"hyper_parallel: {name} {text!r} must be a positive, finite size")
     if fraction:
         if none_peak_bytes is None:
-            raise ValueError("hyper_parallel: a fractional budget needs none's measured peak")
+            raise ValueError(f"hyper_parallel: {name} {text!r} reads as a fraction, and a "
+                             "fraction needs none's measured peak, not known here; pass "
+                             "bytes (an int) or a size string (8GiB)")
         return max(1, int(value * none_peak_bytes))
     nbytes = value * _UNITS[unit]
     if unit in ("", "b") and not value.is_integer():  # the same rule for str and float
-        raise ValueError(f"hyper_parallel: budget {text!r} is neither a fraction of none's "
+        raise ValueError(f"hyper_parallel: {name} {text!r} is neither a fraction of none's "
                          "peak (a number in (0, 1]) nor a whole number of bytes")
     if nbytes < 1 or nbytes > _MAX_BYTES:
-        raise ValueError(f"hyper_parallel: budget {text!r} must be between 1 byte and "
+        raise ValueError(f"hyper_parallel: {name} {text!r} must be between 1 byte and "
                          f"{_MAX_BYTES} bytes")
     return int(text) if isinstance(text, int) else int(nbytes)
 
@@ -619,8 +617,6 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    params = list(model.parameters())
-    device = params[0].device if params else torch.device("cpu")
 
     def decide(target: int) -> ActivationPlan:
         """The plan for ``target`` bytes, solved once (by rank 0, broadcast)."""
@@ -643,20 +639,27 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
         raise InfeasibleBudgetError(message, asked, low,
                                     ActivationPlan.from_json(plan) if plan else None, host_bytes)
 
-    def measure(plan: ActivationPlan) -> ActivationPlan:
-        """``plan`` with what it measured on the model (the largest over ranks)."""
-        got = measure_plan(model, step_fn, plan)
-        peak, seconds = got["peak_bytes"], got["step_seconds"]
-        if distributed:
-            on = device if dist.get_backend() != "gloo" else torch.device("cpu")
-            t = torch.tensor([peak, seconds], dtype=torch.float64, device=on)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            peak, seconds = int(t[0].item()), float(t[1].item())
-        return dataclasses.replace(plan, budget_bytes=int(budget), measured_peak_bytes=int(peak),
-                                   measured_step_seconds=float(seconds))
+    return _closed_loop(budget, decide,
+                        lambda plan: _measured(plan, model, step_fn, budget, distributed),
+                        profile.strategies,
+                        lambda: _uniform_within(profile, budget, candidates, depth, host))
 
-    return _closed_loop(budget, decide, measure, profile.strategies,
-                        _uniform_within(profile, budget, candidates, depth, host))
+
+def _measured(plan: ActivationPlan, model: nn.Module, step_fn: Callable[[], object],
+              budget: int, over_ranks: bool = False) -> ActivationPlan:
+    """``plan`` (for ``budget``) with what it measured on the model (:func:`measure_plan`);
+    ``over_ranks``: the largest over the ranks of torch.distributed (every rank runs it)."""
+    got = measure_plan(model, step_fn, plan)
+    peak, seconds = got["peak_bytes"], got["step_seconds"]
+    if over_ranks:
+        import torch.distributed as dist
+
+        on = model_device(model) if dist.get_backend() != "gloo" else torch.device("cpu")
+        t = torch.tensor([peak, seconds], dtype=torch.float64, device=on)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        peak, seconds = int(t[0].item()), float(t[1].item())
+    return dataclasses.replace(plan, budget_bytes=int(budget), measured_peak_bytes=int(peak),
+                               measured_step_seconds=float(seconds))
 
 
 def _uniform_within(profile: ActivationProfile, budget: int, candidates, depth: int,
@@ -682,14 +685,21 @@ def _uniform_within(profile: ActivationProfile, budget: int, candidates, depth: 
 def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
                  measure: Callable[[ActivationPlan], ActivationPlan],
                  strategies: Sequence[str],
-                 uniform: Sequence[ActivationPlan] = ()) -> ActivationPlan:
+                 uniform: Callable[[], list[ActivationPlan]]) -> ActivationPlan:
     """The plan ``decide(target)`` gives for the budget, run on the model by ``measure``
-    (which returns it with ``measured_peak_bytes`` set); re-solved below the budget while
-    it measures over it, then the ``uniform`` plans the profile measured within it, in
-    order (docs/design.md, "Closed loop")."""
+    (which returns it with ``measured_peak_bytes`` set) (docs/design.md, "Closed loop").
+
+    The cost model composes per-strategy profiles, and a model can share storages between
+    layers in ways no uniform profile shows (a layer whose output the next one saves as its
+    input: who pays for it depends on both strategies). While the plan measures over the
+    budget the solver runs again for the budget less the excess (when nothing is predicted
+    to fit that, the plan of the smallest predicted peak is the last one tried), at most
+    _MEASURE_ROUNDS plans; then, or when the solver finds nothing, the plans ``uniform()``
+    gives (uniform plans the profile measured within the budget), at most _UNIFORM_ROUNDS.
+    """
 
     def fallback() -> ActivationPlan | None:
-        for plan in uniform[:_UNIFORM_ROUNDS]:
+        for plan in uniform()[:_UNIFORM_ROUNDS]:
             if any(p.strategies == plan.strategies for p in tried):
                 continue
             plan = measure(plan)
@@ -698,13 +708,6 @@ def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
             tried.append(plan)
         return None
 
-    # Closed loop: the cost model composes per-strategy profiles, and a model can share
-    # storages between layers in ways no uniform profile shows (a layer whose output the
-    # next one saves as its input: who pays for it depends on both strategies). So the
-    # chosen plan is run on the model; when it measures over the budget the solver runs
-    # again for the budget less the excess (when nothing is predicted to fit that, the
-    # plan of the smallest predicted peak is the last one tried), at most
-    # _MEASURE_ROUNDS plans measured in all.
     target = budget
     tried: list[ActivationPlan] = []
     for _ in range(_SOLVE_ROUNDS):
@@ -776,11 +779,4 @@ def _host_budget(value) -> int | None:
             raise ValueError(f"hyper_parallel: host_budget_bytes must be between 0 and "
                              f"{_MAX_BYTES} bytes, got {value}")
         return value
-    try:
-        return parse_budget(value)
-    except ValueError as err:
-        if "fractional budget" not in str(err):
-            raise ValueError(str(err).replace("budget ", "host_budget_bytes ", 1)) from None
-        raise ValueError(f"hyper_parallel: host_budget_bytes {value!r} reads as a fraction, "
-                         "but a host budget has no 'none' peak to be a fraction of; pass "
-                         "bytes (an int), a size string (8GiB) or a PinnedMemoryPool") from None
+    return parse_budget(value, name="host_budget_bytes")

@@ -199,6 +199,12 @@ def check_candidates(candidates) -> list[str]:
     return ["none"] + [n for n in names if n != "none"]
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (the host for a model without any)."""
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
 def _sync(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
@@ -728,7 +734,7 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"hyper_parallel: repeats must be an int >= 1, got {repeats!r}")
     params = list(model.parameters())
-    device = params[0].device if params else torch.device("cpu")
+    device = model_device(model)
     if not _can_swap(device):
         names = [n for n in names if not STRATEGIES[n].swaps]
     slots = resolve_layer_slots(model, layers)
@@ -839,7 +845,7 @@ def measure_plan(model: nn.Module, step_fn: Callable[[], object], plan, *,
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"hyper_parallel: steps must be an int >= 1, got {steps!r}")
     params = list(model.parameters())
-    device = params[0].device if params else torch.device("cpu")
+    device = model_device(model)
     layer_names = list(plan.strategies if hasattr(plan, "strategies") else plan)
     with _left_as_found(model, params, device) as state:
         apply_activation_memory(model, plan, layers=layer_names)
