@@ -116,6 +116,8 @@ class RegionToken {
   }
   // The pack hook this region pushed (None when it pushed none).
   const py::object& hook() const { return hook_; }
+  // Hands the hook back for reuse once it is off the stack (region_exit).
+  void recycle_hook() { recycle_pack_hook(std::move(hook_)); hook_ = py::none(); }
   void close() { state_->open = false; }
   bool current_generation() const { return state_->generation == SwapEngine::generation(); }
 
@@ -196,12 +198,13 @@ constexpr int kExitAttached = 4;
 // one read of the top, one pop); otherwise, or when hooks went stale since this thread's
 // last scan, scans as pop_stale_hooks does (ours is stale now, and so is anything that a
 // region left open above it).
-void pop_own_hook(const RegionToken& token) {
+void pop_own_hook(RegionToken& token) {
   const HookStack& hs = hook_stack();
   if (t_scanned_epoch == stale_epoch()) {
     py::object top = hs.top(false);
     if (!top.is_none() && PyTuple_GET_ITEM(top.ptr(), 0) == token.hook().ptr()) {
       hs.pop();
+      token.recycle_hook();
       return;
     }
   }
@@ -233,6 +236,8 @@ int region_exit(RegionToken& token, bool ok, const py::object& outputs) {
   return flags;
 }
 
+}  // namespace
+
 // `fn(*args, **kwargs)` in a SWAP_ALL region: region_enter, the call, region_exit with the
 // outputs, in one call from Python and with no Python object per region (the swap
 // wrappers' path, issue 17). `on_flags(token, flags, out, layer, name)` runs after a successful exit
@@ -262,6 +267,8 @@ py::object run_region(int64_t layer, const std::string& name, const py::object& 
   }
   return out;
 }
+
+namespace {
 
 // Pre-hook on a region's output nodes (C++, no Python call in backward): starts the
 // prefetch of the invocation once, then lets go of the group, so the group dies with its
@@ -369,8 +376,10 @@ void bind_region(py::module_& m) {
     py::dict d;
     d["hook_scans"] = g_hook_scans.load();
     d["backward_hooks"] = g_backward_hooks.load();
+    d["pack_hooks_made"] = pack_hooks_made();
     return d;
-  }, "Hook-stack scans and C++ backward hooks made by regions since import (tests).");
+  }, "Hook-stack scans, C++ backward hooks and PackHook objects (new, not reused) made by "
+     "regions since import (tests).");
 }
 
 }  // namespace hyper_parallel::bindings

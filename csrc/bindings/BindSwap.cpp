@@ -8,6 +8,7 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <atomic>
 #include <vector>
 
 namespace py = pybind11;
@@ -145,6 +146,13 @@ class PackHook {
  public:
   PackHook(PackMode mode, py::object policy_fn, std::shared_ptr<RegionState> state = nullptr)
       : mode_(mode), policy_fn_(std::move(policy_fn)), state_(std::move(state)) {}
+
+  // Points a hook that nothing else references any more at a new region (make_pack_hook).
+  void rebind(PackMode mode, py::object policy_fn, std::shared_ptr<RegionState> state) {
+    mode_ = mode;
+    policy_fn_ = std::move(policy_fn);
+    state_ = std::move(state);
+  }
 
   // False once the region that pushed this hook ended or was abandoned (RegionState.h).
   bool live() const {
@@ -344,8 +352,39 @@ void exclude_module_state(SwapGroup& group, const py::handle& module) {
   exclude_module_tree(group, module.ptr(), seen, 0);
 }
 
+namespace {
+// PackHook objects of this thread's ended regions (recycle_pack_hook), oldest first, each
+// with the one reference this list owns. Autograd keeps a reference to the pack hook of
+// every tensor saved under it until that tensor is freed, so a hook is reused only once
+// this list's reference is its last. Raw pointers, leaked at thread exit: a thread's
+// destructors may run without the GIL.
+constexpr size_t kSpareHooks = 16;  // more layers than this in one forward: new objects
+constexpr size_t kSpareScan = 4;    // entries looked at per region entry
+thread_local std::vector<PyObject*> t_spare_hooks;
+std::atomic<int64_t> g_pack_hooks_made{0};  // PackHook objects created by make_pack_hook
+}  // namespace
+
+int64_t pack_hooks_made() { return g_pack_hooks_made.load(std::memory_order_relaxed); }
+
 py::object make_pack_hook(PackMode mode, py::object policy_fn, std::shared_ptr<RegionState> state) {
+  // Reuse saves a pybind instance (allocation and registry insert) per region (issue 17).
+  auto& spare = t_spare_hooks;
+  const size_t scan = std::min(spare.size(), kSpareScan);
+  for (size_t i = 0; i < scan; ++i) {
+    PyObject* hook = spare[i];
+    if (Py_REFCNT(hook) != 1) continue;
+    spare.erase(spare.begin() + static_cast<std::ptrdiff_t>(i));
+    auto owned = py::reinterpret_steal<py::object>(hook);
+    owned.cast<PackHook&>().rebind(mode, std::move(policy_fn), std::move(state));
+    return owned;
+  }
+  g_pack_hooks_made.fetch_add(1, std::memory_order_relaxed);
   return py::cast(PackHook(mode, std::move(policy_fn), std::move(state)));
+}
+
+void recycle_pack_hook(py::object hook) {
+  if (hook.is_none() || t_spare_hooks.size() >= kSpareHooks) return;
+  t_spare_hooks.push_back(hook.release().ptr());
 }
 
 bool is_stale_pack_hook(const py::handle& hook) {

@@ -19,10 +19,17 @@ void bind_region(pybind11::module_& m);
 void bind_trace(pybind11::module_& m);
 void bind_planner(pybind11::module_& m);
 void bind_intercept(pybind11::module_& m);
+void bind_swap_call(pybind11::module_& m);
 
-// BindSwap.cpp: a PackHook object for a region (`state` may be null: always live).
+// BindSwap.cpp: a PackHook object for a region (`state` may be null: always live), a
+// recycled one when one is free.
 pybind11::object make_pack_hook(activation::PackMode mode, pybind11::object policy_fn,
                                 std::shared_ptr<RegionState> state);
+// Hands a hook whose region ended (popped from autograd's stack) back for reuse by
+// make_pack_hook, which reuses it once nothing else references it. Needs the GIL.
+void recycle_pack_hook(pybind11::object hook);
+// PackHook objects make_pack_hook created (not reused) since import (tests).
+int64_t pack_hooks_made();
 // Whether `hook` is a PackHook whose region is no longer open (see RegionState.h).
 bool is_stale_pack_hook(const pybind11::handle& hook);
 
@@ -35,5 +42,14 @@ void exclude_tensors(activation::SwapGroup& group, const pybind11::handle& tenso
 // modules' _parameters, _buffers and _modules dictionaries, so a region pays no Python
 // generator walk: ~1 us for a transformer block instead of ~38 us). Needs the GIL.
 void exclude_module_state(activation::SwapGroup& group, const pybind11::handle& module);
+
+// BindRegion.cpp: `fn(*args, **kwargs)` in a SWAP_ALL region (region entry, the call, the
+// exit with the outputs) in one call; `on_flags(token, flags, out, layer, name)` runs after
+// the exit when its flags need Python or `python_hooks`. Needs the GIL.
+pybind11::object run_region(int64_t layer, const std::string& name, const pybind11::object& fn,
+                            const pybind11::object& args, const pybind11::object& kwargs,
+                            const pybind11::object& policy_fn, bool group_swap,
+                            const pybind11::object& pool, const pybind11::object& state_module,
+                            bool python_hooks, const pybind11::object& on_flags);
 
 }  // namespace hyper_parallel::bindings

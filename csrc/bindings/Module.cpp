@@ -9,4 +9,5 @@ PYBIND11_MODULE(_C, m) {
   hyper_parallel::bindings::bind_trace(m);
   hyper_parallel::bindings::bind_planner(m);
   hyper_parallel::bindings::bind_intercept(m);
+  hyper_parallel::bindings::bind_swap_call(m);
 }

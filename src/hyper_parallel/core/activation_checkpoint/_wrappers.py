@@ -21,13 +21,16 @@ import weakref
 import torch
 from torch import nn
 
-from . import _compile
-from ._backends import wrapper_dispatch
+from hyper_parallel._extension import _C
+
+from . import _compile, _memory, _recompute_state
+from ._backends import _BACKENDS, wrapper_dispatch
 from ._host_pool import native_pool
 from ._errors import check_flag
 from ._policy_signature import check_swap_policy
 from ._swap import LayerCall, in_backward, swap_call, swap_module_call
-from ._swap_manager import SwapManager
+from ._region import after_run_region
+from ._swap_manager import _LAYER_ATTR, SwapManager
 
 _PREFIX = "_checkpoint_wrapped_module"
 _PREFIX_DOT = _PREFIX + "."
@@ -284,22 +287,35 @@ class SwapWrapper(ActivationWrapper):
                 raise
             _compile.swap_region_exit(region, out)
             return out
-        if in_backward() or not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        # _hp_call inlined (the per-layer hot path, issue 17)
-        pool = native_pool(self._hp_cpu_pool)
-        if self._hp_nests:
-            return swap_module_call(self, inner, args, kwargs, self._hp_policy_fn,
-                                    self._hp_group_swap, pool)
-        stack = _tls.__dict__.setdefault("running", [])
-        if stack and stack[-1] is not self:
-            _warn_nested(stack[-1], self)
-        stack.append(self)
-        try:
-            return swap_module_call(self, inner, args, kwargs, self._hp_policy_fn,
-                                    self._hp_group_swap, pool)
-        finally:
-            stack.pop()
+        # The per-layer hot path in one C++ call (issue 17): _swap_forward_python below is
+        # what it does, and what it falls back to.
+        pool = self._hp_cpu_pool
+        return _C.swap_forward(self, inner, args, kwargs, self._hp_policy_fn,
+                               self._hp_group_swap, None if pool is None else pool._pool, inner,
+                               not self._hp_nests)
+
+
+def _swap_forward_python(owner, fn, args, kwargs, policy_fn, group_swap, pool, state_module,
+                         nest_check):
+    """One call of a swap wrapper in Python: what ``_C.swap_forward`` does in C++, and what
+    it hands over to when another framework's backend is imported or a checkpoint region
+    runs on this thread. ``state_module`` is None for a wrapped function (``owner`` is then
+    the wrapping function), the wrapped module for a module wrapper (``owner``);
+    ``nest_check`` keeps the thread's stack of running wrappers (``_hp_call``)."""
+    if state_module is None:
+        return swap_call(LayerCall(owner, fn), args, kwargs, policy_fn, group_swap, pool)
+    if in_backward() or not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    if not nest_check:
+        return swap_module_call(owner, fn, args, kwargs, policy_fn, group_swap, pool)
+    stack = _tls.__dict__.setdefault("running", [])
+    if stack and stack[-1] is not owner:
+        _warn_nested(stack[-1], owner)
+    stack.append(owner)
+    try:
+        return swap_module_call(owner, fn, args, kwargs, policy_fn, group_swap, pool)
+    finally:
+        stack.pop()
 
 
 def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False, cpu_pool=None):
@@ -342,10 +358,10 @@ def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False, cpu_pool=None):
     SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP before the first call
 
     @functools.wraps(module_or_fn)
-    def wrapped(*args, **kwargs):
-        return swap_call(wrapped_target, args, kwargs, policy_fn, group_swap, pool)
+    def wrapped(*args, **kwargs):  # (one C++ call: _swap_forward_python says what it does)
+        return _swap_forward(wrapped, module_or_fn, args, kwargs, policy_fn, group_swap, pool,
+                             None, False)
 
-    wrapped_target = LayerCall(wrapped, module_or_fn)
     wrapped._hp_wrapped_fn = module_or_fn
     wrapped.checkpoint_kwargs = {"policy_fn": policy_fn, "group_swap": group_swap,
                                  "cpu_pool": cpu_pool}
@@ -358,3 +374,10 @@ def _refuse_double_wrap(fn) -> None:
     if getattr(fn, "_hp_wrapped_fn", None) is not None:
         raise ValueError("hyper_parallel: this function is already wrapped by "
                          "checkpoint_wrapper or swap_wrapper; wrap the original function once.")
+
+
+# What _C.swap_forward reads (the same state the Python path reads) and falls back to.
+_C.configure_swap_forward(_swap_forward_python, after_run_region, _warn_nested,
+                          tuple(_BACKENDS), _recompute_state._tls, _tls, vars(_memory),
+                          _LAYER_ATTR)
+_swap_forward = _C.swap_forward

@@ -796,3 +796,83 @@ def test_swap_group_swap_must_be_bool():
     with pytest.raises(TypeError, match=r"^hyper_parallel: swap_tensor_wrapper's group_swap "):
         from hyper_parallel.core.activation_checkpoint import swap_tensor_wrapper
         swap_tensor_wrapper(x, group_swap="yes")
+
+
+# ---------------------------------------------------------------- one C++ call per region
+
+
+def test_a_module_wrapper_that_raises_leaves_no_running_wrapper(cpu_swap, dev):
+    # SwapWrapper.forward is one C++ call (_C.swap_forward, issue 17) that also keeps the
+    # thread's stack of running wrappers: the layer's own exception object reaches the
+    # caller, the stack is as it was, and the next step is bitwise.
+    from hyper_parallel.core.activation_checkpoint import _wrappers
+
+    class Failure(Exception):
+        pass
+
+    failure = Failure("block 1 failed")
+    model = Stack(layers=3).to(dev)
+    ref = twin(model)
+    fail = {"on": True}
+
+    def maybe_fail(module, args):
+        if fail["on"]:
+            raise failure
+
+    model.layers[1].fc1.register_forward_pre_hook(maybe_fail)
+    wrap_chain(model)
+    x = torch.randn(4, 32, device=dev)
+    with pytest.raises(Failure) as info:
+        model(x)
+    assert info.value is failure
+    assert _wrappers._tls.__dict__.get("running", []) == []
+    assert _C.current_group() is None
+    fail["on"] = False
+    model(x).backward()
+    ref(x).backward()
+    assert_bitwise(grads(model), grads(ref))
+
+
+def test_a_wrapper_called_inside_another_at_run_time_warns_once(cpu_swap):
+    # Not nested in the module tree (no warning at wrapping time), but one wrapper's forward
+    # calls the other: the C++ call path sees the running wrapper and warns, naming both.
+    inner = swap_wrapper(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return calls[0](self.fc(x))
+
+    calls = [inner]
+    outer = swap_wrapper(Outer())
+    x = torch.randn(2, 8)
+    with pytest.warns(UserWarning, match=r"swap_wrapper\(Sequential\) is nested inside "
+                                         r"swap_wrapper\(Outer\)"):
+        outer(x).sum().backward()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", "hyper_parallel. swap region")
+        outer(x).sum().backward()  # the pair was named once
+
+
+def test_steady_state_regions_reuse_their_pack_hooks(cpu_swap, dev):
+    # A region's pack hook stays referenced by autograd until the tensors saved under it
+    # are freed; after that the next region reuses the object instead of making a new one
+    # (issue 17): steady-state steps make none, and gradients stay bitwise.
+    model = Stack(layers=6).to(dev)
+    ref = twin(model)
+    wrap_chain(model)
+    x = torch.randn(4, 32, device=dev)
+    for _ in range(2):
+        model(x).backward()
+    made = _C.region_counters()["pack_hooks_made"]
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        model(x).backward()
+    assert _C.region_counters()["pack_hooks_made"] == made
+    ref(x).backward()
+    assert_bitwise(grads(model), grads(ref))
