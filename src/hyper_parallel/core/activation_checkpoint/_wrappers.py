@@ -20,6 +20,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _nn_module
 
 from hyper_parallel._extension import _C
 
@@ -272,6 +273,26 @@ class SwapWrapper(ActivationWrapper):
     def checkpoint_kwargs(self) -> dict:
         return {"policy_fn": self._hp_policy_fn, "group_swap": self._hp_group_swap,
                 "cpu_pool": self._hp_cpu_pool}
+
+    def __call__(self, *args, **kwargs):
+        # nn.Module.__call__'s own fast case (no module hook, not compiled, not traced, and
+        # forward not replaced on the instance) without its two Python frames (issue 17);
+        # every other case is nn.Module.__call__'s, which calls forward below.
+        d = self.__dict__
+        if (self._compiled_call_impl is None and "forward" not in d
+                and not (d["_forward_pre_hooks"] or d["_forward_hooks"]
+                         or d["_backward_pre_hooks"] or d["_backward_hooks"]
+                         or _nn_module._global_forward_pre_hooks
+                         or _nn_module._global_forward_hooks
+                         or _nn_module._global_backward_pre_hooks
+                         or _nn_module._global_backward_hooks)
+                and not torch._C._get_tracing_state() and not torch.compiler.is_compiling()):
+            inner = d["_modules"][_PREFIX]
+            pool = d["_hp_cpu_pool"]
+            return _swap_forward(self, inner, args, kwargs, d["_hp_policy_fn"],
+                                 d["_hp_group_swap"], None if pool is None else pool._pool,
+                                 inner, not self._hp_nests)
+        return super().__call__(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
         inner = self.__dict__["_modules"][_PREFIX]  # (no nn.Module.__getattr__ per call)

@@ -193,3 +193,31 @@ def test_swap_wrapper_group_swap_must_be_bool(bad):
         with pytest.raises(TypeError, match=r"^hyper_parallel: swap_wrapper's group_swap must be "
                                             r"a bool \(True or False\); got"):
             swap_wrapper(target, group_swap=bad)
+
+
+def test_swap_wrapper_call_keeps_every_nn_module_call_feature():
+    # SwapWrapper.__call__ skips nn.Module.__call__ only when that would just call forward
+    # (issue 17): hooks on the wrapper, global module hooks and a forward replaced on the
+    # instance all still run, and each call swaps as before.
+    torch.manual_seed(0)
+    layer = Layer()
+    wrapper = swap_wrapper(layer)
+    x = torch.randn(2, 4)
+    expected = layer(x)
+    seen = []
+    h1 = wrapper.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    h2 = wrapper.register_forward_hook(lambda m, args, out: seen.append("post") or out + 1)
+    assert torch.equal(wrapper(x), layer(x * 2) + 1) and seen == ["post"]
+    h1.remove()
+    h2.remove()
+    h3 = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: seen.append(type(m).__name__))
+    try:
+        wrapper(x)
+    finally:
+        h3.remove()
+    assert "SwapWrapper" in seen
+    wrapper.forward = lambda *a, **k: "replaced"
+    assert wrapper(x) == "replaced"
+    del wrapper.forward
+    assert torch.equal(wrapper(x), expected)
