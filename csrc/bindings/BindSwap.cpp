@@ -50,7 +50,8 @@ std::optional<CheckpointPolicy> to_policy(const py::handle& obj) {
 PyObject* dtensor_type() {
   static PyObject* cls = nullptr;
   if (cls == nullptr) {
-    PyObject* mod = PyImport_GetModule(py::str("torch.distributed.tensor").ptr());
+    static PyObject* name = PyUnicode_InternFromString("torch.distributed.tensor");
+    PyObject* mod = PyImport_GetModule(name);
     if (mod == nullptr) {
       PyErr_Clear();
       return nullptr;
@@ -284,9 +285,16 @@ namespace {
 
 void exclude_one(SwapGroup& g, const py::handle& obj) {
   if (!THPVariable_Check(obj.ptr())) return;
-  // A DTensor parameter's data is its local tensor's storage.
-  at::Tensor t = is_dtensor(obj) ? dtensor_local(obj) : THPVariable_Unpack(obj.ptr());
-  if (has_plain_storage(t)) g.excluded.insert(t.storage().unsafeGetStorageImpl());
+  const at::Tensor& outer = THPVariable_Unpack(obj.ptr());
+  // A DTensor parameter's data is its local tensor's storage. (Only a tensor with the
+  // Python key can be one: the DTensor type lookup is not free while
+  // torch.distributed.tensor is not imported, and this runs per parameter per region.)
+  if (outer.key_set().has(c10::DispatchKey::Python) && is_dtensor(obj)) {
+    const at::Tensor local = dtensor_local(obj);
+    if (has_plain_storage(local)) g.excluded.insert(local.storage().unsafeGetStorageImpl());
+    return;
+  }
+  if (has_plain_storage(outer)) g.excluded.insert(outer.storage().unsafeGetStorageImpl());
 }
 
 // The attribute names nn.Module keeps its state under, interned once (leaked on purpose:
