@@ -49,21 +49,25 @@ const SwapCallConfig& config() {
   return *g_config;
 }
 
-// `obj.__dict__` (a module's, or a function's), or null without one. New reference.
-PyObject* instance_dict(PyObject* obj) {
-  PyObject** slot = _PyObject_GetDictPtr(obj);
-  if (slot == nullptr || *slot == nullptr) return nullptr;
-  Py_INCREF(*slot);
-  return *slot;
+// torch.nn.Module (the class object, looked up once; leaked on purpose, as above).
+PyObject* module_type() {
+  static PyObject* type = py::object(py::module_::import("torch.nn").attr("Module")).release().ptr();
+  return type;
 }
 
-// _swap_manager.layer_node(obj) for an existing node, read from obj's instance dict
-// (a module's node lives there; a function's attribute too). None when it has none.
+bool is_module(const py::handle& obj) {
+  const int r = PyObject_IsInstance(obj.ptr(), module_type());
+  if (r < 0) throw py::error_already_set();
+  return r == 1;
+}
+
+// _swap_manager.layer_node(obj) for an existing node: a module's instance dict entry, any
+// other object's attribute (a bound method finds its function's). None when it has none.
 py::object layer_node(const py::handle& obj, const SwapCallConfig& c) {
-  PyObject* dict = instance_dict(obj.ptr());
-  if (dict == nullptr) return py::none();
-  PyObject* node = PyDict_GetItemWithError(dict, c.layer_attr.ptr());  // borrowed
-  Py_DECREF(dict);
+  if (!is_module(obj)) return py::getattr(obj, c.layer_attr, py::none());
+  PyObject** slot = _PyObject_GetDictPtr(obj.ptr());
+  if (slot == nullptr || *slot == nullptr) return py::none();
+  PyObject* node = PyDict_GetItemWithError(*slot, c.layer_attr.ptr());  // borrowed
   if (node == nullptr) {
     if (PyErr_Occurred()) throw py::error_already_set();
     return py::none();
@@ -74,11 +78,7 @@ py::object layer_node(const py::handle& obj, const SwapCallConfig& c) {
 // _swap.region_name(fn) for an fn without a node: a module's class name, else the object's
 // __qualname__ (its class name without one).
 std::string plain_name(const py::handle& fn, const SwapCallConfig& c) {
-  static PyObject* module_type =
-      py::object(py::module_::import("torch.nn").attr("Module")).release().ptr();  // leaked
-  const int is_module = PyObject_IsInstance(fn.ptr(), module_type);
-  if (is_module < 0) throw py::error_already_set();
-  if (is_module == 0) {
+  if (!is_module(fn)) {
     py::object q = py::getattr(fn, c.qualname_attr, py::none());
     if (!q.is_none()) return py::str(q).cast<std::string>();
   }
