@@ -14,13 +14,16 @@
 #include "hyper_parallel/activation/SwapEngine.h"
 #include "hyper_parallel/common/Macros.h"
 
+#include <ATen/SavedTensorHooks.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/node.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <atomic>
 #include <mutex>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <unordered_set>
@@ -33,23 +36,64 @@ using namespace activation;
 
 namespace {
 
-// torch's own bindings of autograd's saved-tensor default-hook stack (the ones
-// torch.autograd.graph.saved_tensors_hooks uses; stable across torch 2.4-2.14).
-struct HookStack {
-  py::object push, pop, top, unpack;
+// This thread's stack of autograd's saved-tensor default hooks (the one
+// torch.autograd.graph.saved_tensors_hooks pushes on), read and changed in C++: the
+// region's steady state makes one push, one read of the top and one pop per region, and
+// through torch's Python bindings (torch._C._autograd._push/_pop/_top_saved_tensors_default_
+// hooks) each of them was a Python call building its arguments and, for the top, a tuple
+// (about a quarter of a region's host instructions, issue 17). The at:: API used here has
+// these signatures on torch 2.6-2.14 (research/cpp_feasibility.md Q5); a push while
+// hooks are disabled, or a read while dynamo traces, goes through the Python binding,
+// which raises torch's own error or gives torch's own answer.
+// Thread-safety: the stack is thread-local; callers hold the GIL (the hooks' refcounts).
+namespace hooks {
+
+// torch's bindings (the paths above), looked up once; leaked on purpose: no Python object
+// may be destroyed after interpreter shutdown.
+struct PythonBindings {
+  py::object push, top, unpack;
 };
 
-const HookStack& hook_stack() {
-  // Leaked on purpose: Python objects must not be destroyed after interpreter shutdown.
-  static HookStack* stack = [] {
+const PythonBindings& bindings() {
+  static PythonBindings* b = [] {
     py::module_ autograd = py::module_::import("torch._C._autograd");
-    return new HookStack{autograd.attr("_push_saved_tensors_default_hooks"),
-                         autograd.attr("_pop_saved_tensors_default_hooks"),
-                         autograd.attr("_top_saved_tensors_default_hooks"),
-                         py::module_::import("hyper_parallel._C").attr("unpack_hook")};
+    return new PythonBindings{autograd.attr("_push_saved_tensors_default_hooks"),
+                              autograd.attr("_top_saved_tensors_default_hooks"),
+                              py::module_::import("hyper_parallel._C").attr("unpack_hook")};
   }();
-  return *stack;
+  return *b;
 }
+
+// The pack hook on top of this thread's stack (borrowed), or null when the stack is empty
+// (or, as torch's own reader says then, while dynamo traces).
+PyObject* top_pack() {
+  const auto& tls = at::SavedTensorDefaultHooks::get_tls_state();
+  if (tls.stack.empty()) return nullptr;
+  if (tls.is_tracing) {
+    py::object top = bindings().top(false);
+    return top.is_none() ? nullptr : PyTuple_GET_ITEM(top.ptr(), 0);  // held by the stack
+  }
+  return tls.stack.top().first.ptr(getPyInterpreter());
+}
+
+// Pushes (pack, the engine's unpack hook).
+void push(const py::object& pack) {
+  const PythonBindings& b = bindings();
+  if (!at::SavedTensorDefaultHooks::is_enabled()) {
+    b.push(pack, b.unpack);  // raises torch's error (hooks disabled here, and why)
+    return;
+  }
+  at::SavedTensorDefaultHooks::lazy_initialize();
+  c10::impl::PyInterpreter* interp = getPyInterpreter();
+  // SafePyObject takes over one reference of each.
+  at::SavedTensorDefaultHooks::push_hooks(c10::SafePyObject(pack.inc_ref().ptr(), interp),
+                                          c10::SafePyObject(b.unpack.inc_ref().ptr(), interp));
+}
+
+// Pops the top pair (the stack is not empty: the caller read its top).
+void pop() { at::SavedTensorDefaultHooks::pop_hooks(); }
+
+}  // namespace hooks
 
 // Stale hooks appear only when a region is left without its exit (its token dropped while
 // open) or when reset() starts a new engine generation. Both bump this epoch; a thread
@@ -72,17 +116,15 @@ std::atomic<int64_t> g_hook_scans{0};
 int pop_stale_hooks() {
   g_hook_scans.fetch_add(1, std::memory_order_relaxed);
   const uint64_t epoch = stale_epoch();
-  const HookStack& hs = hook_stack();
   int popped = 0;
   for (;;) {
-    py::object top = hs.top(false);
-    if (top.is_none()) {
+    PyObject* top = hooks::top_pack();
+    if (top == nullptr) {
       t_scanned_epoch = epoch;
       break;
     }
-    py::tuple pair = top.cast<py::tuple>();
-    if (!is_stale_pack_hook(pair[0])) break;
-    hs.pop();
+    if (!is_stale_pack_hook(top)) break;
+    hooks::pop();
     ++popped;
   }
   return popped;
@@ -133,9 +175,9 @@ class RegionToken {
 // (the frame our checkpoint regions are built on): such a frame recomputes what is saved
 // inside it, so no region may hide its hook with ours (_region.in_checkpoint_forward).
 bool under_checkpoint_frame() {
-  py::object top = hook_stack().top(false);
-  if (top.is_none()) return false;
-  py::object pack = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(top.ptr(), 0));
+  PyObject* top = hooks::top_pack();
+  if (top == nullptr || is_pack_hook(top)) return false;  // none, or one of ours
+  py::object pack = py::reinterpret_borrow<py::object>(top);
   py::object module = py::getattr(pack, "__module__", py::none());
   return PyUnicode_Check(module.ptr()) &&
          PyUnicode_CompareWithASCIIString(module.ptr(), "torch.utils.checkpoint") == 0;
@@ -146,11 +188,15 @@ bool under_checkpoint_frame() {
 // HostPool of this invocation's host blocks (None: the engine's; ignored when joined);
 // `push` with `auto_push`: push only when grad mode is on and no torch checkpoint frame's
 // hooks are innermost (what every Python region asks for: _region.Region, run_region).
-std::shared_ptr<RegionToken> region_enter(int64_t layer, const std::string& name, bool manual,
-                                          bool group_swap, const py::object& exclude,
-                                          const py::object& pack_mode, const py::object& policy_fn,
-                                          bool push, const py::object& pool,
-                                          const py::object& state_module, bool auto_push) {
+// (`mode`: the pack hook's mode, none: push no hook; region_enter below takes it as a
+// Python PackMode or None.)
+std::shared_ptr<RegionToken> region_enter_mode(int64_t layer, const std::string& name,
+                                               bool manual, bool group_swap,
+                                               const py::object& exclude,
+                                               std::optional<PackMode> mode,
+                                               const py::object& policy_fn, bool push,
+                                               const py::object& pool,
+                                               const py::object& state_module, bool auto_push) {
   SwapEngine& engine = SwapEngine::global();
   if (t_scanned_epoch != stale_epoch()) pop_stale_hooks();
   std::shared_ptr<RegionToken> token;
@@ -170,10 +216,9 @@ std::shared_ptr<RegionToken> region_enter(int64_t layer, const std::string& name
       token->group()->host_pool = pool.cast<std::shared_ptr<HostBufferPool>>();
     }
     if (push && auto_push) push = at::GradMode::is_enabled() && !under_checkpoint_frame();
-    if (push && !pack_mode.is_none()) {
-      const HookStack& hs = hook_stack();
-      py::object hook = make_pack_hook(pack_mode.cast<PackMode>(), policy_fn, token->state());
-      hs.push(hook, hs.unpack);
+    if (push && mode) {
+      py::object hook = make_pack_hook(*mode, policy_fn, token->state());
+      hooks::push(hook);
       token->set_pushed(std::move(hook));
     }
   } catch (...) {
@@ -182,6 +227,17 @@ std::shared_ptr<RegionToken> region_enter(int64_t layer, const std::string& name
     throw;
   }
   return token;
+}
+
+std::shared_ptr<RegionToken> region_enter(int64_t layer, const std::string& name, bool manual,
+                                          bool group_swap, const py::object& exclude,
+                                          const py::object& pack_mode, const py::object& policy_fn,
+                                          bool push, const py::object& pool,
+                                          const py::object& state_module, bool auto_push) {
+  std::optional<PackMode> mode;
+  if (!pack_mode.is_none()) mode = pack_mode.cast<PackMode>();
+  return region_enter_mode(layer, name, manual, group_swap, exclude, mode, policy_fn, push, pool,
+                           state_module, auto_push);
 }
 
 // What region_exit tells its caller (bit flags), so that the Python side of a region in
@@ -199,11 +255,9 @@ constexpr int kExitAttached = 4;
 // last scan, scans as pop_stale_hooks does (ours is stale now, and so is anything that a
 // region left open above it).
 void pop_own_hook(RegionToken& token) {
-  const HookStack& hs = hook_stack();
   if (t_scanned_epoch == stale_epoch()) {
-    py::object top = hs.top(false);
-    if (!top.is_none() && PyTuple_GET_ITEM(top.ptr(), 0) == token.hook().ptr()) {
-      hs.pop();
+    if (hooks::top_pack() == token.hook().ptr()) {
+      hooks::pop();
       token.recycle_hook();
       return;
     }
@@ -250,10 +304,8 @@ py::object run_region(int64_t layer, const std::string& name, const py::object& 
                       const py::object& policy_fn, bool group_swap, const py::object& pool,
                       const py::object& state_module, bool python_hooks,
                       const py::object& on_flags) {
-  // Leaked on purpose: no Python object may be destroyed after interpreter shutdown.
-  static const py::object* swap_all = new py::object(py::cast(PackMode::kSwapAll));
-  auto token = region_enter(layer, name, false, group_swap, py::none(), *swap_all, policy_fn,
-                            true, pool, state_module, true);
+  auto token = region_enter_mode(layer, name, false, group_swap, py::none(), PackMode::kSwapAll,
+                                 policy_fn, true, pool, state_module, true);
   PyObject* raw = PyObject_Call(fn.ptr(), args.ptr(), kwargs.is_none() ? nullptr : kwargs.ptr());
   if (raw == nullptr) {
     py::error_already_set error;  // fetched: the exit below may call into Python

@@ -399,6 +399,13 @@ bool is_stale_pack_hook(const py::handle& hook) {
   return py::isinstance<PackHook>(hook) && !hook.cast<const PackHook&>().live();
 }
 
+bool is_pack_hook(PyObject* hook) {
+  // PackHook's Python type, compared exactly (a subclass answers false); leaked on
+  // purpose, as the other module-lifetime objects.
+  static PyObject* type = py::type::of<PackHook>().inc_ref().ptr();
+  return reinterpret_cast<PyObject*>(Py_TYPE(hook)) == type;
+}
+
 namespace {
 
 // The live group named `name`; null when it existed but died (every tensor it held is

@@ -32,6 +32,8 @@ void recycle_pack_hook(pybind11::object hook);
 int64_t pack_hooks_made();
 // Whether `hook` is a PackHook whose region is no longer open (see RegionState.h).
 bool is_stale_pack_hook(const pybind11::handle& hook);
+// Whether `hook`'s type is exactly PackHook (one pointer compare, no lookup).
+bool is_pack_hook(PyObject* hook);
 
 // Adds the storages of `tensors` (an iterable; non-tensors are skipped, a DTensor counts by
 // its local tensor) to `group`'s never-swapped set. Needs the GIL.

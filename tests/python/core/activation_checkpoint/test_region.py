@@ -169,3 +169,97 @@ def test_small_copies_run_inline_when_the_worker_idles(host_swap):
     # Offload, release and reload batches of 1 KiB tensors: nothing ever waited in a queue.
     assert s1["inline_copies"] - s0["inline_copies"] >= 6
     assert s1["worker_wakeups"] == s0["worker_wakeups"]
+
+
+
+# The hook stack is read, pushed and popped in C++ (at::SavedTensorDefaultHooks); these
+# check it is the very stack saved_tensors_hooks uses and that torch's own rules hold.
+
+
+def _probed_chain(tops, n=2):
+    def layer(x):
+        tops.append(_top())  # inside the region
+        return torch.sin(torch.sin(x * 1.0))
+
+    layers = [swap_wrapper(layer) for _ in range(n)]
+    for a, b in zip(layers, layers[1:]):
+        SwapManager().set_forward_prefetch_layer(a, b)
+    return layers
+
+
+def _reference_grad(x, n):
+    ref = x.detach().clone().requires_grad_()
+    h = ref
+    for _ in range(n):
+        h = torch.sin(torch.sin(h * 1.0))
+    h.sum().backward()
+    return ref.grad
+
+
+def test_region_pushes_on_the_stack_saved_tensors_hooks_uses(host_swap):
+    outer_packed, tops = [], []
+    layers = _probed_chain(tops)
+
+    def outer_pack(t):
+        outer_packed.append(t.shape)
+        return t
+
+    x = torch.randn(64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(outer_pack, lambda t: t):
+        h = layers[0](x)
+        assert _top()[0] is outer_pack  # the region popped its own hook, not the user's
+        h = layers[1](h)
+        h = h * h  # outside every region: the user's hook packs it
+    h.sum().backward()
+    assert [type(top[0]) for top in tops] == [_C.PackHook, _C.PackHook]
+    assert tops[0][1] is tops[1][1] is _C.unpack_hook
+    assert outer_packed == [torch.Size([64]), torch.Size([64])]  # only h * h's two operands
+    ref = x.detach().clone().requires_grad_()
+    g = ref
+    for _ in range(2):
+        g = torch.sin(torch.sin(g * 1.0))
+    (g * g).sum().backward()
+    assert torch.equal(x.grad, ref.grad)
+    assert _top() is None
+
+
+def test_user_hooks_inside_a_region_are_innermost_and_left_alone(host_swap):
+    packed = []
+
+    def inner_pack(t):
+        packed.append(t.shape)
+        return t
+
+    def layer(x):
+        x = torch.sin(x)
+        with torch.autograd.graph.saved_tensors_hooks(inner_pack, lambda t: t):
+            x = torch.cos(x)
+        return torch.sin(x)
+
+    a, b = swap_wrapper(layer), swap_wrapper(layer)
+    SwapManager().set_forward_prefetch_layer(a, b)
+    x = torch.randn(32, requires_grad=True)
+    b(a(x)).sum().backward()
+    assert packed == [torch.Size([32])] * 2  # cos's input in each layer, and only it
+    ref = x.detach().clone().requires_grad_()
+    layer(layer(ref)).sum().backward()
+    assert torch.equal(x.grad, ref.grad)
+    assert _top() is None
+
+
+def test_disabled_hooks_raise_torchs_error_and_leave_the_engine_usable(host_swap):
+    tops = []
+    layers = _probed_chain(tops)
+    x = torch.randn(64, requires_grad=True)
+    reason = "no hooks in this block, says the user"
+    with torch.autograd.graph.disable_saved_tensors_hooks(reason):
+        try:
+            layers[0](x)
+        except RuntimeError as e:
+            assert reason in str(e)
+        else:
+            raise AssertionError("a swap region pushed hooks while they were disabled")
+    assert tops == [] and _top() is None  # the layer never ran, nothing was left pushed
+    grad = _step(layers, x).clone()
+    assert torch.equal(grad, _reference_grad(x, 2))
+    assert _top() is None
