@@ -178,7 +178,7 @@ bool under_checkpoint_frame() {
   PyObject* top = hooks::top_pack();
   if (top == nullptr || is_pack_hook(top)) return false;  // none, or one of ours
   py::object pack = py::reinterpret_borrow<py::object>(top);
-  py::object module = py::getattr(pack, "__module__", py::none());
+  py::object module = attr_or_none(pack, "__module__");
   return PyUnicode_Check(module.ptr()) &&
          PyUnicode_CompareWithASCIIString(module.ptr(), "torch.utils.checkpoint") == 0;
 }

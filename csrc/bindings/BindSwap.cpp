@@ -26,9 +26,10 @@ SwapEngine& engine() { return SwapEngine::global(); }
 std::optional<CheckpointPolicy> to_policy(const py::handle& obj) {
   py::detail::make_caster<CheckpointPolicy> ours;
   if (ours.load(obj, /*convert=*/false)) return py::detail::cast_op<CheckpointPolicy>(ours);
-  if (py::hasattr(obj, "name") && py::hasattr(obj, "value") && !PyBool_Check(obj.ptr())) {
-    py::object name = obj.attr("name");
-    if (py::isinstance<py::str>(name)) return policy_from_string(name.cast<std::string>());
+  if (PyBool_Check(obj.ptr())) return std::nullopt;
+  py::object name = attr_or_none(obj, "name");
+  if (!name.is_none() && !attr_or_none(obj, "value").is_none() && py::isinstance<py::str>(name)) {
+    return policy_from_string(name.cast<std::string>());
   }
   return std::nullopt;
 }

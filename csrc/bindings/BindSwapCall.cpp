@@ -49,6 +49,26 @@ const SwapCallConfig& config() {
   return *g_config;
 }
 
+}  // namespace
+
+py::object attr_or_none(const py::handle& obj, const py::handle& name) {
+  PyObject* value = PyObject_GetAttr(obj.ptr(), name.ptr());
+  if (value != nullptr) return py::reinterpret_steal<py::object>(value);
+  if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
+  PyErr_Clear();
+  return py::none();
+}
+
+py::object attr_or_none(const py::handle& obj, const char* name) {
+  PyObject* value = PyObject_GetAttrString(obj.ptr(), name);
+  if (value != nullptr) return py::reinterpret_steal<py::object>(value);
+  if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
+  PyErr_Clear();
+  return py::none();
+}
+
+namespace {
+
 // torch.nn.Module (the class object, looked up once; leaked on purpose, as above).
 PyObject* module_type() {
   static PyObject* type = py::object(py::module_::import("torch.nn").attr("Module")).release().ptr();
@@ -64,7 +84,7 @@ bool is_module(const py::handle& obj) {
 // _swap_manager.layer_node(obj) for an existing node: a module's instance dict entry, any
 // other object's attribute (a bound method finds its function's). None when it has none.
 py::object layer_node(const py::handle& obj, const SwapCallConfig& c) {
-  if (!is_module(obj)) return py::getattr(obj, c.layer_attr, py::none());
+  if (!is_module(obj)) return attr_or_none(obj, c.layer_attr);
   PyObject** slot = _PyObject_GetDictPtr(obj.ptr());
   if (slot == nullptr || *slot == nullptr) return py::none();
   PyObject* node = PyDict_GetItemWithError(*slot, c.layer_attr.ptr());  // borrowed
@@ -79,7 +99,7 @@ py::object layer_node(const py::handle& obj, const SwapCallConfig& c) {
 // __qualname__ (its class name without one).
 std::string plain_name(const py::handle& fn, const SwapCallConfig& c) {
   if (!is_module(fn)) {
-    py::object q = py::getattr(fn, c.qualname_attr, py::none());
+    py::object q = attr_or_none(fn, c.qualname_attr);
     if (!q.is_none()) return py::str(q).cast<std::string>();
   }
   return py::str(py::type::handle_of(fn).attr("__name__")).cast<std::string>();
@@ -120,8 +140,10 @@ bool python_hooks_needed(const SwapCallConfig& c) {
     if (PyErr_Occurred()) throw py::error_already_set();
     return false;
   }
-  py::object on = py::getattr(ca, c.compiled_autograd_flag, py::bool_(false));
-  return PyObject_IsTrue(on.ptr()) == 1;
+  py::object on = attr_or_none(ca, c.compiled_autograd_flag);
+  const int truth = PyObject_IsTrue(on.ptr());
+  if (truth < 0) throw py::error_already_set();
+  return truth == 1;
 }
 
 py::object call_plain(const py::object& fn, const py::object& args, const py::object& kwargs) {

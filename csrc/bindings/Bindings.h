@@ -21,6 +21,13 @@ void bind_planner(pybind11::module_& m);
 void bind_intercept(pybind11::module_& m);
 void bind_swap_call(pybind11::module_& m);
 
+// getattr(obj, name, None) with Python's meaning: None only when the lookup raises
+// AttributeError; any other exception (a property that fails) propagates as
+// py::error_already_set. (pybind11's getattr with a default swallows every exception, and
+// py::hasattr every one too.) Needs the GIL. Defined in BindSwapCall.cpp.
+pybind11::object attr_or_none(const pybind11::handle& obj, const pybind11::handle& name);
+pybind11::object attr_or_none(const pybind11::handle& obj, const char* name);
+
 // BindSwap.cpp: a PackHook object for a region (`state` may be null: always live), a
 // recycled one when one is free.
 pybind11::object make_pack_hook(activation::PackMode mode, pybind11::object policy_fn,

@@ -15,7 +15,6 @@ import contextlib
 import inspect
 import sys
 import weakref
-import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from ._policy_signature import check_swap_policy, is_per_tensor_policy
 from ._selective import compile_policy
 from ._swap_manager import SwapManager
 from ._wrappers import swap_wrapper
+from ._warnings import warn as warn_user
 
 #: Matrix-multiply ops whose outputs "selective" keeps and "selective_swap" offloads. A
 #: Linear without bias reaches the dispatcher as ``aten.mm``, with bias as ``aten.addmm``;
@@ -180,7 +180,7 @@ _warned: set[str] = set()
 def _warn_once(cause: str, message: str) -> None:
     if cause not in _warned:
         _warned.add(cause)
-        warnings.warn(message, stacklevel=3)
+        warn_user(message)
 
 
 # ---------------------------------------------------------------------------- plans
@@ -677,12 +677,12 @@ def _take_hooks(taken: dict | None, dst: nn.Module, name: str) -> None:
             getattr(dst, n).update(mine)
         for n in _POST_HOOKS + _HOOK_FLAGS:
             getattr(dst, n).update(taken.get(n, {}))
-        warnings.warn(
+        warn_user(
             f"hyper_parallel: the hooks registered on the wrapper of layer {name} were moved "
             f"to the {type(dst).__name__} that now takes its place, which has hooks of its "
             "own; the handles the wrapper's register_*_hook returned no longer remove them "
             "(remove them from that module's hook dicts, or register hooks on the layer "
-            "itself before applying a plan).", stacklevel=3)
+            "itself before applying a plan).")
     full = taken.get("_is_full_backward_hook")
     if full is not None and getattr(dst, "_is_full_backward_hook", None) is None:
         dst._is_full_backward_hook = full

@@ -32,7 +32,6 @@ neither breaks nor recompiles.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -46,6 +45,7 @@ from ._selective import (
     call_context_fn,
     compile_policy,
 )
+from ._warnings import warn as warn_user
 
 _TORCH_POLICY = torch_checkpoint.CheckpointPolicy
 _TO_TORCH = {
@@ -71,7 +71,7 @@ def warn_once(key: str, message: str) -> None:
     """One warning per ``key`` and process (called at trace time only, never per step)."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn("hyper_parallel: " + message, stacklevel=3)
+        warn_user("hyper_parallel: " + message)
 
 
 def _warn_swap_under_compile(what: str) -> None:

@@ -9,9 +9,9 @@ process; the counters keep counting.
 
 from __future__ import annotations
 
-import warnings
 
 from hyper_parallel._extension import _C
+from ._warnings import warn as warn_user
 
 _warned: set[str] = set()
 
@@ -37,7 +37,7 @@ REASONS = {
 def _warn_once(cause: str, message: str) -> None:
     if cause not in _warned:
         _warned.add(cause)
-        warnings.warn(message, stacklevel=4)
+        warn_user(message)
 
 
 def _mib(nbytes: int) -> str:

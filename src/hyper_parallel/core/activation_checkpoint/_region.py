@@ -13,7 +13,6 @@ backward"). If the forward raises, the group is aborted and nothing stays instal
 from __future__ import annotations
 
 import sys
-import warnings
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -23,6 +22,7 @@ from hyper_parallel._extension import _C
 from ._diagnostics import after_forward
 from ._memory import meter_active, sample_active_meter
 from ._recompute_state import is_recomputing
+from ._warnings import warn as warn_user
 
 SWAP_ALL = _C.PackMode.SWAP_ALL
 REGISTERED_ONLY = _C.PackMode.REGISTERED_ONLY
@@ -154,12 +154,11 @@ def _warn_unscheduled(name: str) -> None:
     if name in _warned_unscheduled:
         return
     _warned_unscheduled.add(name)
-    warnings.warn(
+    warn_user(
         f"hyper_parallel: swap region '{name}' is not part of a prefetch "
         "schedule, so its activations are offloaded at the end of its forward and "
         "reloaded only when its own backward starts, without overlap. Register the layer "
-        "order with SwapManager().set_forward_prefetch_layer(prev_layer, next_layer).",
-        stacklevel=5,
+        "order with SwapManager().set_forward_prefetch_layer(prev_layer, next_layer)."
     )
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 import weakref
 
 import torch
@@ -57,6 +56,7 @@ from ._policy import CheckpointPolicy, to_policy
 from . import _recompute_state
 from ._region import Region, in_backward
 from ._policy_signature import check_checkpoint_policy
+from ._warnings import warn as warn_user
 
 _RECOMPUTE = _C.SAC_RECOMPUTE
 _MUST_SAVE = CheckpointPolicy.MUST_SAVE
@@ -259,11 +259,10 @@ def _warn_uncacheable(name: str, out) -> None:
     if name in _warned_uncacheable:
         return
     _warned_uncacheable.add(name)
-    warnings.warn(
+    warn_user(
         f"hyper_parallel: selective checkpoint cannot cache the output of {name} "
         f"({type(out).__name__}: tensor subclasses, SymInts and nested outputs are not "
-        "cached), so this op is recomputed in backward whatever the policy says.",
-        stacklevel=3,
+        "cached), so this op is recomputed in backward whatever the policy says."
     )
 
 
@@ -275,12 +274,11 @@ def _warn_demoted(name: str, call: int, policy) -> None:
     if name in _warned_demoted:
         return
     _warned_demoted.add(name)
-    warnings.warn(
+    warn_user(
         f"hyper_parallel: the output of {name} (call #{call}) was modified in place later in "
         f"the same checkpoint region, after selective checkpoint cached it ({policy.name}); "
         "it is recomputed in backward instead, together with the in-place ops. To keep it, "
-        "write to a clone of it instead.",
-        stacklevel=4,
+        "write to a clone of it instead."
     )
 
 
@@ -311,11 +309,11 @@ def _rng_before(info: _OpInfo, args, kwargs):
         return step
     if info.name not in _warned_no_generator:
         _warned_no_generator.add(info.name)
-        warnings.warn(
+        warn_user(
             f"hyper_parallel: selective checkpoint cannot cache the output of the random op "
             f"{info.name} on {device}: the device has no default generator whose state it "
             "could replay in recompute, so this op is recomputed in backward whatever the "
-            "policy says.", stacklevel=4)
+            "policy says.")
     return _NO_GENERATOR
 
 
@@ -832,11 +830,10 @@ def _warn_if_never_cached(name: str, policy, what: str) -> None:
     reasons = {_never_cached(getattr(packet, o)) for o in names}
     if None in reasons or not reasons:
         return
-    warnings.warn(
+    warn_user(
         f"hyper_parallel: {what}: {name} is never cached by selective checkpoint "
         f"({'; '.join(sorted(reasons))}), so {policy.name} has no effect on it. Name the op "
-        "that produces the tensor instead (for example the out-of-place variant).",
-        stacklevel=4)
+        "that produces the tensor instead (for example the out-of-place variant).")
 
 
 def _validated_name(name: str, what: str) -> str:

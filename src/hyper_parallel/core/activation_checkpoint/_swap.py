@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -17,6 +16,7 @@ from ._policy_signature import check_swap_policy
 from ._region import (SWAP_ALL, Region, _compiled_autograd_on, after_run_region, in_backward,
                       in_checkpoint_forward, meter_active)
 from ._swap_manager import SwapManager, layer_node
+from ._warnings import warn as warn_user
 
 
 def region_name(obj) -> str:
@@ -204,12 +204,11 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False, cpu_pool=None):
     if group is None:
         if not _warned_outside:
             _warned_outside = True
-            warnings.warn(
+            warn_user(
                 "hyper_parallel: swap_tensor_wrapper was called outside any swap region, so "
                 "nothing was registered. Call it inside the forward of a layer registered "
                 "with SwapManager().set_forward_prefetch_layer(prev, next), or inside a "
-                "swap/checkpoint region or SwapManager().group_context(name).",
-                stacklevel=2,
+                "swap/checkpoint region or SwapManager().group_context(name)."
             )
         return target
     if group_swap:

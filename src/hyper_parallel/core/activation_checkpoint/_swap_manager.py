@@ -7,7 +7,6 @@ import copy
 import math
 import os
 import threading
-import warnings
 import weakref
 
 import torch
@@ -17,6 +16,7 @@ from hyper_parallel._extension import _C
 from ._backends import backend_for, loaded_backends
 from ._errors import ArgumentKindError
 from ._region import REGISTERED_ONLY, Region, in_backward
+from ._warnings import warn as warn_user
 
 _LAYER_ATTR = "_hyper_parallel_layer"
 
@@ -264,9 +264,9 @@ class SwapManager:
         _C.link_layers(a.layer_id, b.layer_id)  # refuses a cycle before anything changes
         for old, new, what in ((a.next, b, "successor"), (b.prev, a, "predecessor")):
             if old is not None and old is not new:
-                warnings.warn(f"hyper_parallel: set_forward_prefetch_layer replaces the {what} "
+                warn_user(f"hyper_parallel: set_forward_prefetch_layer replaces the {what} "
                               f"of layer '{(a if what == 'successor' else b).name}' (a layer has "
-                              "one predecessor and one successor in the chain)", stacklevel=2)
+                              "one predecessor and one successor in the chain)")
         a.next, b.prev = b, a
         install = backend.install_layer_hooks if backend is not None else \
             self._install_module_hooks

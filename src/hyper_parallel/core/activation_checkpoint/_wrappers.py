@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import warnings
 import weakref
 
 import torch
@@ -32,6 +31,7 @@ from ._policy_signature import check_swap_policy
 from ._swap import LayerCall, in_backward, swap_call, swap_module_call
 from ._region import after_run_region
 from ._swap_manager import _LAYER_ATTR, SwapManager
+from ._warnings import warn as warn_user
 
 _PREFIX = "_checkpoint_wrapped_module"
 _PREFIX_DOT = _PREFIX + "."
@@ -63,13 +63,12 @@ def _warn_nested(outer, inner) -> None:
     if key in _warned_nesting:
         return
     _warned_nesting.add(key)
-    warnings.warn(
+    warn_user(
         f"hyper_parallel: {_describe(inner)} is nested inside {_describe(outer)}. Results "
         "stay correct, but the inner wrapper's work is partly wasted (a swap inside a "
         "checkpoint region swaps tensors that recompute rebuilds anyway; a checkpoint "
         "inside a checkpoint recomputes twice). Wrap each layer once, at one level "
-        "(checkpoint_exclude_wrapper is the exception: it is meant to sit inside).",
-        stacklevel=4)
+        "(checkpoint_exclude_wrapper is the exception: it is meant to sit inside).")
 
 
 class ActivationWrapper(nn.Module):

@@ -221,3 +221,31 @@ def test_swap_wrapper_call_keeps_every_nn_module_call_feature():
     assert wrapper(x) == "replaced"
     del wrapper.forward
     assert torch.equal(wrapper(x), expected)
+
+
+class _FailingLayerAttr:
+    """A callable whose schedule-node attribute is a property that fails (not an
+    AttributeError): Python's getattr(obj, name, None) propagates that error, and so must
+    the wrapper's C++ path (pybind11's getattr with a default would swallow it)."""
+
+    @property
+    def _hyper_parallel_layer(self):
+        raise RuntimeError("node property failed")
+
+    def __call__(self, x):
+        return torch.sin(x)
+
+
+@pytest.mark.parametrize("path", ["swap", "swap_wrapper"])
+def test_a_failing_attribute_lookup_propagates_on_both_paths(path, host_swap):
+    from hyper_parallel.core.activation_checkpoint import swap
+
+    layer = _FailingLayerAttr()
+    x = torch.randn(8, requires_grad=True)
+    call = (lambda: swap(layer, x)) if path == "swap" else (lambda: swap_wrapper(layer)(x))
+    with pytest.raises(RuntimeError, match="node property failed"):
+        call()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    y = swap_wrapper(torch.sin)(x)  # the engine is still usable
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.cos(x.detach()))

@@ -17,7 +17,6 @@ the differences are MindSpore's (docs/design.md, "Backends"):
 from __future__ import annotations
 
 import threading
-import warnings
 
 import mindspore as ms
 from mindspore import Tensor, nn
@@ -26,6 +25,7 @@ from .. import _swap_manager
 from ._region import REGISTERED_ONLY, SWAP_ALL, MsRegion, current_group, grad_enabled, \
     in_backward, register
 from ._selective import compile_policy, context_fn as selective_context_fn
+from .._warnings import warn as warn_user
 
 _tls = threading.local()  # depth of our checkpoint forwards on this thread
 
@@ -159,11 +159,11 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False):
     if group is None:
         if not _warned_outside:
             _warned_outside = True
-            warnings.warn(
+            warn_user(
                 "hyper_parallel: swap_tensor_wrapper was called outside any swap region, so "
                 "nothing was registered. Call it inside the construct of a Cell registered "
                 "with SwapManager().set_forward_prefetch_layer(prev, next), or inside a "
-                "swap/checkpoint region.", stacklevel=3)
+                "swap/checkpoint region.")
         return target
     for t in _leaves(target):
         register(group, t)

@@ -23,7 +23,6 @@ If the forward raises, the group is aborted and the hooks are popped (SPEC 4.6).
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 
 import mindspore as ms
@@ -35,6 +34,7 @@ from hyper_parallel._extension import _C
 from .._policy import CheckpointPolicy, to_policy
 from . import _meter
 from ._records import STORE
+from .._warnings import warn as warn_user
 
 SWAP_ALL = "swap_all"                # every eligible saved tensor (swap, swap_inputs)
 REGISTERED_ONLY = "registered_only"  # registered tensors only (chains, checkpoint regions)
@@ -255,12 +255,12 @@ class MsRegion:
         if self.group.records and not _C.layer_scheduled(self._layer_id) \
                 and self._name not in _warned_unscheduled:
             _warned_unscheduled.add(self._name)
-            warnings.warn(
+            warn_user(
                 f"hyper_parallel: swap region '{self._name}' is not part of a prefetch "
                 "schedule, so its activations are offloaded at the end of its forward and "
                 "reloaded only when its own backward starts, without overlap. Register the "
                 "layer order with SwapManager().set_forward_prefetch_layer(prev_cell, "
-                "next_cell).", stacklevel=4)
+                "next_cell).")
 
 
 def _meter_sample() -> None:
