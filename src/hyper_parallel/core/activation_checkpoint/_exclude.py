@@ -12,9 +12,10 @@ so the ops after it recompute from the forward's values.
 
 Cost: the part's saved tensors stay in memory as without checkpoint, plus its output
 (``save_output=True``). With ``save_output=False`` only the output's shapes are kept and
-recompute gets uninitialised stand-ins of the same shape and dtype (one element each):
-only for an output that feeds nothing but another exclusion region (which does not read
-its inputs in recompute).
+recompute gets stand-ins of the same shape and dtype without storage: only for an output
+that feeds nothing but another exclusion region (which does not read its inputs in
+recompute). Any op that reads a stand-in raises (:class:`_StandIn`), where it used to
+compute from uninitialised memory and give wrong gradients silently.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ._errors import ArgumentKindError
 from ._diagnostics import _warn_once
@@ -41,8 +42,12 @@ class _Kept:
 
     __slots__ = ("value",)
 
-    def __init__(self, out, save_output: bool) -> None:
-        self.value = tree_map(_versioned if save_output else _shape_of, out)
+    def __init__(self, out, save_output: bool, what: str = "the part") -> None:
+        if save_output:
+            self.value = tree_map(_versioned, out)
+        else:
+            self.value = tree_map(lambda x: _Shape(x, what) if isinstance(x, torch.Tensor)
+                                  else x, out)
 
     def replay(self):
         return tree_map(_for_recompute, self.value)
@@ -60,15 +65,43 @@ def _versioned(x):
 
 
 class _Shape:
-    __slots__ = ("shape", "dtype", "device", "requires_grad")
+    __slots__ = ("shape", "dtype", "device", "requires_grad", "what")
 
-    def __init__(self, t: torch.Tensor) -> None:
+    def __init__(self, t: torch.Tensor, what: str) -> None:
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
-        self.requires_grad = t.requires_grad
+        self.requires_grad, self.what = t.requires_grad, what
 
 
-def _shape_of(x):
-    return _Shape(x) if isinstance(x, torch.Tensor) else x
+class _StandIn(torch.Tensor):
+    """What recompute gets in place of a ``save_output=False`` exclusion's output: a tensor
+    with the output's shape, dtype, device and ``requires_grad`` and no storage. Shape
+    queries work; every ATen op on it raises ``CheckpointError`` naming the part, since
+    its values are not kept (the op would recompute from garbage)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, shape: _Shape):
+        t = torch.Tensor._make_wrapper_subclass(cls, shape.shape, dtype=shape.dtype,
+                                                device=shape.device,
+                                                requires_grad=shape.requires_grad)
+        t._hp_what = shape.what
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        what = next(a._hp_what for a in tree_leaves((args, kwargs or {}))
+                    if isinstance(a, _StandIn))
+        raise torch.utils.checkpoint.CheckpointError(
+            f"hyper_parallel: recompute ran {func} on the output of "
+            f"checkpoint_exclude_wrapper({what}, save_output=False); with save_output=False "
+            "only the output's shape is kept, so recompute has no values for it. Pass that "
+            "output only to another exclusion region (which does not read it in recompute), "
+            "or keep it with save_output=True (the default).")
+
+    def __repr__(self) -> str:  # (the default repr would read the values)
+        return (f"_StandIn(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"output of checkpoint_exclude_wrapper({self._hp_what}, save_output=False))")
 
 
 def _for_recompute(x):
@@ -82,8 +115,7 @@ def _for_recompute(x):
             out = out.clone()
         return out
     if isinstance(x, _Shape):
-        one = torch.empty((), dtype=x.dtype, device=x.device).requires_grad_(x.requires_grad)
-        return one.expand(x.shape)
+        return _StandIn(x)
     return x
 
 
@@ -132,7 +164,7 @@ def run_excluded(key, fn, save_output: bool, what: str, args, kwargs):
             for native in natives:
                 native.add_excluding(-1)
     for state in forward:
-        state.keep_exclusion(key, _Kept(out, save_output))
+        state.keep_exclusion(key, _Kept(out, save_output, what))
     return out
 
 
@@ -180,10 +212,10 @@ def checkpoint_exclude_wrapper(module, *, save_output=True):
             :func:`checkpoint_wrapper`) or a callable (returns a function called the same
             way).
         save_output: keep the output for recompute (default). ``False`` keeps only its
-            shapes and hands recompute one-element stand-ins: only for an output that is
-            passed directly to another exclusion region (a dispatch feeding a combine),
-            whose recompute does not read it; any other use would recompute from
-            garbage.
+            shapes and hands recompute stand-ins without values: only for an output that
+            is passed directly to another exclusion region (a dispatch feeding a
+            combine), whose recompute does not read it; an op that reads a stand-in
+            raises ``CheckpointError`` in backward.
 
     Returns:
         The wrapper.
@@ -192,7 +224,8 @@ def checkpoint_exclude_wrapper(module, *, save_output=True):
         ArgumentKindError: (a TypeError and a ValueError) when ``module`` is neither a
             module nor callable, or ``save_output`` is not a bool.
         torch.utils.checkpoint.CheckpointError: in backward, when the recompute calls the
-            wrapper more often than the forward did; in forward, when the wrapper runs
+            wrapper more often than the forward did, or reads the output of a
+            ``save_output=False`` wrapper with an op; in forward, when the wrapper runs
             inside a ``use_reentrant=True`` checkpoint (whose recompute would run the part
             again).
     """

@@ -120,26 +120,60 @@ def test_save_output_false_feeds_another_exclusion():
     assert torch.equal(x.grad, xr.grad)
 
 
+def test_an_op_reading_a_save_output_false_stand_in_raises_in_backward():
+    """The output of a save_output=False exclusion feeding an ordinary op: recompute has no
+    values for it, so the op must fail loudly (it used to read uninitialised memory and
+    give wrong gradients without a word)."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.out(torch.softmax(self.router(x), -1) * x)
+
+    block = Block()
+    block.router = checkpoint_exclude_wrapper(block.router, save_output=False)
+    wrapped = checkpoint_wrapper(block)
+    loss = wrapped(torch.randn(4, 8)).pow(2).sum()
+    with pytest.raises(torch.utils.checkpoint.CheckpointError,
+                       match=r"hyper_parallel: recompute ran aten\._softmax.*"
+                             r"checkpoint_exclude_wrapper\(Linear, save_output=False\)"):
+        loss.backward()
+    assert all(p.grad is None for p in block.out.parameters())  # no gradient was written
+    # the next step, with the exclusion used as documented, is right
+    block.router = checkpoint_exclude_wrapper(block.router._checkpoint_wrapped_module)
+    x = torch.randn(4, 8)
+    wrapped(x).pow(2).sum().backward()
+    ref = Block()
+    ref.load_state_dict({k: v for k, v in block.state_dict().items()})
+    ref(x).pow(2).sum().backward()
+    for p, q in zip(block.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_kept_bytes_with_and_without_save_output():
     from hyper_parallel.core.activation_checkpoint import _exclude
 
     kept = []
     original = _exclude._Kept.__init__
 
-    def spy(self, out, save_output):
-        original(self, out, save_output)
+    def spy(self, out, save_output, what):
+        original(self, out, save_output, what)
         kept.append(self.value)
 
     _exclude._Kept.__init__ = spy
+    combine = checkpoint_exclude_wrapper(lambda t: t.cos())
     try:
         for save in (True, False):
             ex = checkpoint_exclude_wrapper(lambda t: t * 2.0, save_output=save)
             x = torch.randn(256, requires_grad=True)
-            checkpoint(lambda t: ex(t.sin()).cos(), x).sum().backward()
+            checkpoint(lambda t: combine(ex(t.sin())).exp(), x).sum().backward()
     finally:
         _exclude._Kept.__init__ = original
+    # kept[0], kept[2]: ex with save_output=True, then False; kept[1], kept[3]: combine's
     assert isinstance(kept[0].tensor, torch.Tensor) and kept[0].tensor.nbytes == 256 * 4
-    assert not hasattr(kept[1], "tensor")  # only its shape is kept
+    assert not hasattr(kept[2], "tensor")  # only its shape is kept
 
 
 def test_outside_checkpoint_it_is_a_plain_call():
