@@ -26,7 +26,7 @@ from torch import nn
 from ._checkpoint import checkpoint_wrapper
 from ._layers import LayerSlot, resolve_layer_slots, unwrapped
 from ._policy import CheckpointPolicy
-from ._errors import check_flag
+from ._errors import check_flag, check_module
 from ._policy_signature import check_swap_policy, is_per_tensor_policy
 from ._selective import compile_policy
 from ._swap_manager import SwapManager
@@ -737,6 +737,7 @@ def remove_activation_memory(model: nn.Module) -> bool:
     Returns:
         ``True`` when something was removed, ``False`` when ``model`` had no plan applied.
     """
+    check_module("remove_activation_memory", model)
     state: _Applied | None = unwrapped(model).__dict__.pop(_STATE, None)
     if state is None:
         return False
@@ -749,6 +750,7 @@ def remove_activation_memory(model: nn.Module) -> bool:
 
 def applied_report(model: nn.Module) -> ActivationMemoryReport | None:
     """The report of the plan currently applied to ``model``, or ``None``."""
+    check_module("applied_report", model)
     state = unwrapped(model).__dict__.get(_STATE)
     return None if state is None else state.report
 
@@ -766,6 +768,7 @@ def suspended_application(model: nn.Module):
     """
     from ..._extension import _C  # noqa: PLC0415
 
+    check_module("suspended_application", model)
     state: _Applied | None = unwrapped(model).__dict__.get(_STATE)
     if state is None:
         yield None
@@ -788,5 +791,6 @@ def suspended_application(model: nn.Module):
 def applied_options(model: nn.Module) -> dict | None:
     """The ``policy_fn``, ``swap_inputs`` and ``group_swap`` the plan currently applied to
     ``model`` was applied with (to apply it again as it was), or ``None``."""
+    check_module("applied_options", model)
     state = unwrapped(model).__dict__.get(_STATE)
     return None if state is None else dict(state.options)

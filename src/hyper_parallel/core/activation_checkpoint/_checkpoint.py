@@ -25,6 +25,7 @@ from hyper_parallel._extension import _C
 
 from . import _compile, _diagnostics
 from ._backends import backend_for, wrapper_dispatch
+from ._errors import check_callable
 from ._host_pool import native_pool
 from ._recompute_state import debug_call, reentrant_call
 from ._region import REGISTERED_ONLY, SWAP_ALL, Region
@@ -315,6 +316,7 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         >>> y = checkpoint(block, x, policy_fn=policy)
         >>> y = checkpoint(block, x, policy_fn=[torch.ops.aten.mm, torch.ops.aten.addmm])
     """
+    check_callable("checkpoint", function)
     if _compile.is_compiling():
         # Traced by dynamo: torch's compiled checkpoint, our policy as its contexts.
         if use_reentrant:
@@ -458,6 +460,10 @@ def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwar
     if isinstance(functions, nn.Sequential):
         functions = list(functions.children())
     functions = list(functions)
+    if segments > len(functions):
+        raise ValueError(f"hyper_parallel: checkpoint_sequential got segments={segments} for "
+                         f"{len(functions)} functions; each segment needs at least one, so "
+                         f"give segments between 1 and {max(len(functions), 1)}.")
     size = len(functions) // segments
 
     def run(part):

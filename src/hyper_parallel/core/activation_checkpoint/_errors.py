@@ -21,3 +21,22 @@ def check_flag(api: str, name: str, value) -> bool:
         return value
     raise ArgumentKindError(f"hyper_parallel: {api}'s {name} must be a bool (True or False); "
                             f"got {value!r} ({type(value).__name__}).")
+
+
+def check_module(api: str, model) -> None:
+    """Raises :class:`ArgumentKindError` naming ``api`` unless ``model`` is an
+    ``nn.Module``."""
+    from torch import nn  # (this module stays importable without torch: MindSpore's venv)
+
+    if not isinstance(model, nn.Module):
+        raise ArgumentKindError(f"hyper_parallel: {api} expects an nn.Module (the model); got "
+                                f"{type(model).__name__}.")
+
+
+def check_callable(api: str, function) -> None:
+    """Raises :class:`ArgumentKindError` naming ``api`` unless ``function`` is callable (an
+    ``nn.Module``, a function, any object with ``__call__``)."""
+    if not callable(function):
+        raise ArgumentKindError(f"hyper_parallel: {api} runs function(*args, **kwargs), so its "
+                                "first argument must be an nn.Module or a callable; got "
+                                f"{type(function).__name__}.")

@@ -10,7 +10,7 @@ from hyper_parallel._extension import _C
 
 from . import _compile
 from ._backends import backend_for, loaded_frameworks
-from ._errors import check_flag
+from ._errors import check_callable, check_flag
 from ._host_pool import native_pool
 from ._policy_signature import check_swap_policy
 from ._region import (SWAP_ALL, Region, _compiled_autograd_on, after_run_region, in_backward,
@@ -95,6 +95,7 @@ def swap(function, *args, policy_fn=None, group_swap=False, cpu_pool=None, **kwa
             ``cpu_pool`` is not a PinnedMemoryPool.
         RuntimeError: when ``cpu_pool`` is full (the message names its cap).
     """
+    check_callable("swap", function)
     check_flag("swap", "group_swap", group_swap)
     backend = backend_for(function, args=args, kwargs=kwargs)
     if backend is not None:  # a MindSpore Cell or tensors (docs/design.md, "Backends")

@@ -55,3 +55,35 @@ def test_a_name_of_the_api_missing_at_the_top_level_says_where_it_lives():
         hyper_parallel.SwapManager  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'$"):
         hyper_parallel.no_such_name  # noqa: B018
+
+
+def _bad_input_cases():
+    import torch
+    from torch import nn
+
+    import hyper_parallel
+
+    seq = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    x = torch.randn(2, 4, requires_grad=True)
+    return {
+        "swap(3, x)": (lambda: ac.swap(3, x), TypeError),
+        "checkpoint(3, x)": (lambda: ac.checkpoint(3, x), TypeError),
+        "remove_activation_memory(5)": (lambda: hyper_parallel.remove_activation_memory(5),
+                                        TypeError),
+        "checkpoint_sequential(4 modules, 100)": (
+            lambda: ac.checkpoint_sequential(seq, 100, x), ValueError),
+        "checkpoint_sequential([], 1)": (lambda: ac.checkpoint_sequential([], 1, x), ValueError),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_input_cases()))
+def test_bad_input_to_entry_points_gives_a_prefixed_error_and_the_next_step_is_right(case):
+    import torch
+
+    call, kind = _bad_input_cases()[case]
+    with pytest.raises(kind, match=r"^hyper_parallel: "):
+        call()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    x = torch.randn(3, requires_grad=True)
+    ac.checkpoint(lambda t: (t * 2.0).sin(), x).sum().backward()
+    assert torch.equal(x.grad, torch.cos(x.detach() * 2.0) * 2.0)
