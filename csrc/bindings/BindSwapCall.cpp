@@ -13,7 +13,11 @@
 #include "Bindings.h"
 
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/jit/frontend/tracer.h>
+
+#include <vector>
 
 namespace py = pybind11;
 
@@ -209,6 +213,147 @@ py::object swap_forward(const py::object& owner, const py::object& fn, const py:
   }
 }
 
+// SwapWrapper's call slot (issue 17). `wrapper(x)` on a module wrapper reaches the type's
+// tp_call; Python's class statement sets it to the generic slot that looks up and runs the
+// Python __call__ (one Python frame and its checks: about 6k instructions per layer). This
+// slot makes the same decision in C++: nn.Module.__call__'s no-hook case (no forward/backward
+// hook on the wrapper, no global module hook, not compiled, not traced by the JIT or dynamo,
+// forward not replaced on the instance) calls swap_forward directly; any other case, and
+// anything it cannot read as expected, runs the Python __call__, which decides again.
+// The Python __call__ stays on the class (dynamo inlines it; a subclass's slot is the generic
+// one), and assigning SwapWrapper.__call__ resets the slot to the generic one.
+struct ModuleCallConfig {
+  PyObject* module_globals = nullptr;    // torch.nn.modules.module.__dict__
+  PyObject* compiler_globals = nullptr;  // torch.compiler.__dict__
+  std::vector<PyObject*> instance_hooks;  // interned names of the four hook dicts
+  std::vector<PyObject*> global_hooks;    // interned names of the four global hook dicts
+  PyObject *compiled_call_impl, *forward, *modules, *prefix, *pool, *pool_native, *policy_fn,
+      *group_swap, *nests, *call, *is_compiling_flag;
+};
+
+ModuleCallConfig* g_module_call = nullptr;
+
+PyObject* interned(const char* s) {
+  PyObject* name = PyUnicode_InternFromString(s);
+  if (name == nullptr) throw py::error_already_set();
+  return name;  // leaked on purpose, as the config is
+}
+
+// dict[key] borrowed, or nullptr when absent (a lookup error propagates).
+PyObject* dict_item(PyObject* dict, PyObject* key) {
+  PyObject* value = PyDict_GetItemWithError(dict, key);
+  if (value == nullptr && PyErr_Occurred()) throw py::error_already_set();
+  return value;
+}
+
+bool truthy(PyObject* value) {
+  const int r = PyObject_IsTrue(value);
+  if (r < 0) throw py::error_already_set();
+  return r == 1;
+}
+
+// True when every no-hook condition holds and every entry the fast case reads is there.
+bool plain_module_call(PyObject* self, PyObject* dict, const ModuleCallConfig& c) {
+  // (nn.Module's class attribute None unless compile() set one on the instance)
+  PyObject* compiled = dict_item(dict, c.compiled_call_impl);
+  if (compiled == nullptr) compiled = _PyType_Lookup(Py_TYPE(self), c.compiled_call_impl);
+  if (compiled != Py_None) return false;
+  if (dict_item(dict, c.forward) != nullptr) return false;
+  for (PyObject* name : c.instance_hooks) {
+    PyObject* hooks = dict_item(dict, name);
+    if (hooks == nullptr || truthy(hooks)) return false;
+  }
+  for (PyObject* name : c.global_hooks) {
+    PyObject* hooks = dict_item(c.module_globals, name);
+    if (hooks == nullptr || truthy(hooks)) return false;
+  }
+  if (torch::jit::tracer::isTracing()) return false;
+  PyObject* compiling = dict_item(c.compiler_globals, c.is_compiling_flag);
+  return compiling != nullptr && !truthy(compiling);
+}
+
+py::object swap_wrapper_call_impl(PyObject* self, PyObject* args, PyObject* kwargs) {
+  const ModuleCallConfig& c = *g_module_call;
+  PyObject** dict_slot = _PyObject_GetDictPtr(self);
+  PyObject* dict = dict_slot != nullptr ? *dict_slot : nullptr;
+  if (dict != nullptr && plain_module_call(self, dict, c)) {
+    PyObject* modules = dict_item(dict, c.modules);
+    PyObject* inner = modules != nullptr && PyDict_Check(modules) ? dict_item(modules, c.prefix)
+                                                                    : nullptr;
+    PyObject* pool = dict_item(dict, c.pool);
+    PyObject* policy_fn = dict_item(dict, c.policy_fn);
+    PyObject* group_swap = dict_item(dict, c.group_swap);
+    PyObject* nests = _PyType_Lookup(Py_TYPE(self), c.nests);  // borrowed, no error set
+    if (inner != nullptr && pool != nullptr && policy_fn != nullptr && group_swap != nullptr &&
+        nests != nullptr) {
+      py::object native = pool == Py_None
+                              ? py::none()
+                              : py::reinterpret_steal<py::object>(PyObject_GetAttr(pool, c.pool_native));
+      if (!native) throw py::error_already_set();
+      const auto inner_obj = py::reinterpret_borrow<py::object>(inner);
+      return swap_forward(py::reinterpret_borrow<py::object>(self), inner_obj,
+                          py::reinterpret_borrow<py::object>(args),
+                          kwargs != nullptr ? py::reinterpret_borrow<py::object>(kwargs)
+                                            : py::object(py::dict()),
+                          py::reinterpret_borrow<py::object>(policy_fn), truthy(group_swap),
+                          native, inner_obj, !truthy(nests));
+    }
+  }
+  // Every other case: the class's Python __call__ (nn.Module.__call__ underneath).
+  PyObject* call = _PyType_Lookup(Py_TYPE(self), c.call);
+  if (call == nullptr) {
+    throw py::type_error("hyper_parallel: this swap wrapper's class has no __call__");
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
+  std::vector<PyObject*> stack(static_cast<size_t>(n) + 1);
+  stack[0] = self;
+  for (Py_ssize_t i = 0; i < n; ++i) stack[static_cast<size_t>(i) + 1] = PyTuple_GET_ITEM(args, i);
+  PyObject* out = PyObject_VectorcallDict(call, stack.data(), static_cast<size_t>(n) + 1, kwargs);
+  if (out == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(out);
+}
+
+PyObject* swap_wrapper_call(PyObject* self, PyObject* args, PyObject* kwargs) {
+  HANDLE_TH_ERRORS
+  return swap_wrapper_call_impl(self, args, kwargs).release().ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+// Installs swap_wrapper_call as `cls`'s tp_call. Refused (False) when this torch has no
+// torch.compiler._is_compiling_flag to read: the class then keeps the generic slot.
+bool install_swap_wrapper_call(const py::type& cls) {
+  py::module_ compiler = py::module_::import("torch.compiler");
+  if (!py::hasattr(compiler, "_is_compiling_flag")) return false;
+  if (g_module_call == nullptr) {
+    auto* c = new ModuleCallConfig();  // leaked on purpose, as SwapCallConfig is
+    c->module_globals =
+        py::object(py::module_::import("torch.nn.modules.module").attr("__dict__")).release().ptr();
+    c->compiler_globals = py::object(compiler.attr("__dict__")).release().ptr();
+    for (const char* name : {"_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
+                             "_backward_hooks"}) {
+      c->instance_hooks.push_back(interned(name));
+    }
+    for (const char* name : {"_global_forward_pre_hooks", "_global_forward_hooks",
+                             "_global_backward_pre_hooks", "_global_backward_hooks"}) {
+      c->global_hooks.push_back(interned(name));
+    }
+    c->compiled_call_impl = interned("_compiled_call_impl");
+    c->forward = interned("forward");
+    c->modules = interned("_modules");
+    c->prefix = interned("_checkpoint_wrapped_module");
+    c->pool = interned("_hp_cpu_pool");
+    c->pool_native = interned("_pool");
+    c->policy_fn = interned("_hp_policy_fn");
+    c->group_swap = interned("_hp_group_swap");
+    c->nests = interned("_hp_nests");
+    c->call = interned("__call__");
+    c->is_compiling_flag = interned("_is_compiling_flag");
+    g_module_call = c;
+  }
+  reinterpret_cast<PyTypeObject*>(cls.ptr())->tp_call = &swap_wrapper_call;
+  return true;
+}
+
 }  // namespace
 
 void bind_swap_call(py::module_& m) {
@@ -241,6 +386,10 @@ void bind_swap_call(py::module_& m) {
         py::arg("backend_names"), py::arg("recompute_tls"), py::arg("wrapper_tls"),
         py::arg("memory_globals"), py::arg("layer_attr"),
         "Sets what swap_forward reads and calls (once, from hyper_parallel's _swap.py).");
+  m.def("install_swap_wrapper_call", &install_swap_wrapper_call, py::arg("cls"),
+        "Makes cls(...)'s call (its tp_call) take nn.Module.__call__'s no-hook case in C++ "
+        "(swap_forward on cls's instance state), every other case through cls.__call__; "
+        "False (nothing changed) when this torch has no torch.compiler._is_compiling_flag.");
   m.def("swap_forward", &swap_forward, py::arg("owner"), py::arg("fn"), py::arg("args"),
         py::arg("kwargs"), py::arg("policy_fn"), py::arg("group_swap"), py::arg("pool"),
         py::arg("state_module"), py::arg("nest_check"),

@@ -401,3 +401,6 @@ _C.configure_swap_forward(_swap_forward_python, after_run_region, _warn_nested,
                           tuple(_BACKENDS), _recompute_state._tls, _tls, vars(_memory),
                           _LAYER_ATTR)
 _swap_forward = _C.swap_forward
+# `wrapper(x)` makes SwapWrapper.__call__'s fast-case decision in C++ (the type's call slot,
+# issue 17); the Python __call__ above stays for every other case and for dynamo.
+_C.install_swap_wrapper_call(SwapWrapper)

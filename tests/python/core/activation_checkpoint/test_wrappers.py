@@ -1,6 +1,7 @@
 """ActivationWrapper: the public base class, its attributes, prefix-free names in the
 parent's named_parameters()/named_modules(), and the nesting warning (issue 16)."""
 
+import copy
 import warnings
 
 import pytest
@@ -9,7 +10,7 @@ from torch import nn
 
 from hyper_parallel.core.activation_checkpoint import (
     ActivationWrapper, CheckpointExcludeWrapper, CheckpointPolicy, checkpoint_exclude_wrapper,
-    checkpoint_wrapper, swap_wrapper)
+    SwapManager, checkpoint_wrapper, swap_wrapper)
 
 
 class Layer(nn.Module):
@@ -221,6 +222,60 @@ def test_swap_wrapper_call_keeps_every_nn_module_call_feature():
     assert wrapper(x) == "replaced"
     del wrapper.forward
     assert torch.equal(wrapper(x), expected)
+
+
+def _python_frames(fn):
+    """Names of the Python functions fn() enters (sys.setprofile)."""
+    import sys
+
+    names = []
+    sys.setprofile(lambda frame, event, arg: event == "call" and names.append(
+        frame.f_code.co_qualname))
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return names
+
+
+def test_swap_wrapper_call_slot_takes_the_no_hook_case_in_cpp(host_swap):
+    # A module wrapper's call (the type's tp_call, issue 17) decides nn.Module.__call__'s
+    # no-hook case in C++: no Python frame of SwapWrapper.__call__ or nn.Module.__call__ runs,
+    # the layer swaps as before and the gradients are bitwise those of the plain layer.
+    torch.manual_seed(0)
+    layer = Layer()
+    reference = copy.deepcopy(layer)
+    wrapper = swap_wrapper(layer)
+    x = torch.randn(2, 4, requires_grad=True)
+    frames = _python_frames(lambda: wrapper(x))
+    assert not any("Wrapper" in f for f in frames), frames
+    # nn.Module's call frames: the wrapped layer's and its submodules' only
+    assert frames.count("Module._call_impl") == \
+        _python_frames(lambda: layer(x)).count("Module._call_impl")
+    SwapManager().synchronize()
+    before = SwapManager().stats()["offload_bytes"]
+    y = wrapper(x)
+    SwapManager().synchronize()
+    assert SwapManager().stats()["offload_bytes"] > before
+    y.sum().backward()
+    reference(x.detach().requires_grad_()).sum().backward()
+    for a, b in zip(layer.parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    # Every other case runs the Python __call__: a backward hook on the wrapper, compile()
+    # (an instance _compiled_call_impl), and a subclass (the generic slot).
+    hook = wrapper.register_full_backward_hook(lambda m, gi, go: None)
+    assert any(f.endswith("SwapWrapper.__call__") for f in _python_frames(lambda: wrapper(x)))
+    hook.remove()
+    wrapper._compiled_call_impl = lambda *a, **k: "compiled"
+    assert wrapper(x) == "compiled"
+    del wrapper._compiled_call_impl
+    assert torch.equal(wrapper(x), layer(x))
+
+    class Sub(type(wrapper)):
+        pass
+
+    sub = Sub(Layer())
+    assert any(f.endswith("SwapWrapper.__call__") for f in _python_frames(lambda: sub(x)))
 
 
 class _FailingLayerAttr:
