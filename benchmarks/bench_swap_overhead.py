@@ -27,13 +27,25 @@ step (target: at most one wake-up per release point, none when nothing was queue
 ``--modules`` makes every layer an ``nn.Module`` (one parameter, one buffer) for every
 contender: the path of a real model's blocks (module wrapper, state exclusion).
 
+``--instructions`` counts instructions instead (callgrind, every thread of the process,
+one child process per contender and k): the same fits and ratio as counts that neither the
+machine's load nor its clock speed moves. On a shared machine whose step times swing by
+1.5x between runs this is the figure that repeats; it does not see cache misses or stalls,
+which the timed mode does.
+
 Usage: PYTHONPATH=src python benchmarks/bench_swap_overhead.py [--rounds 15] [--quick]
-       [--modules]
+       [--modules] [--instructions]
 """
 
 from __future__ import annotations
 
+import argparse
+import concurrent.futures
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -99,8 +111,9 @@ def fit_line(ks, ys) -> tuple[float, float]:
     return my - b * mk, b
 
 
-def measure(args, k: int) -> dict:
-    """Per-step medians (main s, worker s, wall s) of each contender at k tensors/layer."""
+def build(args, k: int):
+    """The contenders at k saved tensors per layer, as zero-argument step functions, and a
+    function that unregisters the swap layers."""
     make = _Block if args.modules else _layer
     plain = [make(k) for _ in range(args.layers)]
     ours = [swap_wrapper(make(k)) for _ in range(args.layers)]
@@ -127,7 +140,16 @@ def measure(args, k: int) -> dict:
             h = layer(h)
         h.sum().backward()
 
-    contenders = {"none": none, "save_on_cpu": soc, "ours swap": swap}
+    def close():
+        for layer in ours:
+            SwapManager().unregister(layer)
+
+    return {"none": none, "save_on_cpu": soc, "ours swap": swap}, close
+
+
+def measure(args, k: int) -> dict:
+    """Per-step medians (main s, worker s, wall s) of each contender at k tensors/layer."""
+    contenders, close = build(args, k)
     names = list(contenders)
     per = {n: {"main": [], "worker": [], "wall": []} for n in names}
     for fn in contenders.values():
@@ -152,8 +174,7 @@ def measure(args, k: int) -> dict:
             per[name]["wall"].append((t1 - t0) / args.steps)
             per[name]["worker"].append((w1 - w0) / args.steps)
     s1 = SwapManager().stats()
-    for layer in ours:
-        SwapManager().unregister(layer)
+    close()
     out = {n: {c: median(v) for c, v in per[n].items()} for n in names}
     for key, name in (("worker_wakeups", "wakeups"), ("release_points", "release_points")):
         # (an older build without these counters reports -1)
@@ -161,7 +182,127 @@ def measure(args, k: int) -> dict:
     return out
 
 
+# The instruction count of the steps alone: the child runs uninstrumented (fast) until the
+# steps, then switches callgrind's instrumentation and collection on and off around them
+# with valgrind's client requests (CALLGRIND_START_INSTRUMENTATION and friends, from
+# <valgrind/callgrind.h>, in a tiny library built with the system C compiler).
+_CALLGRIND = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no"]
+_TOGGLE_C = """#include <valgrind/callgrind.h>
+void hp_count_begin(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION;
+                            CALLGRIND_TOGGLE_COLLECT; }
+void hp_count_end(void) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_DUMP_STATS;
+                          CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+
+
+def _build_toggle(tmp: str) -> str:
+    """Builds the client-request library in `tmp`; its path."""
+    src, lib = os.path.join(tmp, "toggle.c"), os.path.join(tmp, "libtoggle.so")
+    with open(src, "w") as f:
+        f.write(_TOGGLE_C)
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    done = subprocess.run([cc or "cc", "-O1", "-shared", "-fPIC", src, "-o", lib],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit("bench_swap_overhead: --instructions builds a 3-line C library with "
+                         "valgrind's <valgrind/callgrind.h> (Debian: apt-get install valgrind "
+                         f"gcc); the compiler said:\n{done.stderr[-1000:]}")
+    return lib
+
+
+def count_child(args) -> None:
+    """In a callgrind child: warm up one contender, then count `--steps` steps of it and one
+    SwapManager().synchronize() (the copy worker's share)."""
+    import ctypes
+
+    toggle = ctypes.CDLL(args.count_lib)
+    manager = SwapManager()
+    manager.set_cpu_swap(True)
+    contenders, close = build(args, int(args.ks))
+    fn = contenders[args.count_child]
+    for _ in range(args.warmup_steps):
+        fn()
+    manager.synchronize()
+    toggle.hp_count_begin()
+    for _ in range(args.steps):
+        fn()
+    manager.synchronize()
+    toggle.hp_count_end()
+    close()
+
+
+def _instructions(args, lib: str, name: str, k: int) -> int:
+    """Instructions (all threads) of `args.steps` steps of contender `name` at k."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "callgrind.out")
+        cmd = _CALLGRIND + [f"--callgrind-out-file={out}", sys.executable,
+                            os.path.abspath(__file__), "--count-child", name, "--count-lib",
+                            lib, "--ks", str(k),
+                            "--steps", str(args.steps), "--warmup-steps",
+                            str(args.warmup_steps), "--layers", str(args.layers), "--numel",
+                            str(args.numel), "--threads", str(args.threads)]
+        if args.modules:
+            cmd.append("--modules")
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"bench_swap_overhead: the callgrind child for {name} at k = {k} "
+                               f"failed:\n{done.stderr[-2000:]}")
+        total = 0
+        for part in os.listdir(tmp):  # the dump of the counted steps: callgrind.out.1
+            if part.startswith("callgrind.out.") and part.rsplit(".", 1)[1].isdigit():
+                with open(os.path.join(tmp, part)) as f:
+                    for line in f:
+                        if line.startswith(("summary:", "totals:")):
+                            total = max(total, int(line.split()[1]))
+    if total == 0:
+        raise RuntimeError("bench_swap_overhead: callgrind counted nothing (were the client "
+                           "requests seen?); use the timed mode.")
+    return total
+
+
+def run_instructions(args) -> dict:
+    """Instructions per layer over none's, per contender and k (callgrind, one child process
+    per contender and k, two at a time): a count that the machine's load does not move."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("bench_swap_overhead: --instructions needs valgrind "
+                         "(apt-get install valgrind).")
+    ks = [int(v) for v in args.ks.split(",")]
+    names = ["none", "save_on_cpu", "ours swap"]
+    jobs = [(n, k) for k in ks for n in names]
+    with tempfile.TemporaryDirectory() as tmp, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        lib = _build_toggle(tmp)
+        counts = dict(zip(jobs, pool.map(lambda j: _instructions(args, lib, *j), jobs)))
+    per_layer = {(n, k): (counts[(n, k)] - counts[("none", k)]) / (args.steps * args.layers)
+                 for n, k in jobs}
+    rows = [[k, f"{counts[('none', k)] / args.steps / 1e3:.0f}",
+             f"{per_layer[('save_on_cpu', k)] / 1e3:.2f}",
+             f"{per_layer[('ours swap', k)] / 1e3:.2f}",
+             f"{per_layer[('ours swap', k)] / per_layer[('save_on_cpu', k)]:.2f}"] for k in ks]
+    print(table(["k tensors/layer", "none k-instructions/step", "save_on_cpu k-instr/layer",
+                 "ours k-instr/layer", "ours / save_on_cpu"], rows,
+                title=f"\n## Swap host overhead per layer in instructions (callgrind, all "
+                      f"threads): {args.layers} {'module' if args.modules else 'function'} "
+                      f"layers, {args.numel * 4}-byte tensors, {args.steps} steps each"))
+    fits = {}
+    for name in ("save_on_cpu", "ours swap"):
+        a, b = fit_line(ks, [per_layer[(name, k)] for k in ks])
+        fits[name] = (a, b)
+        print(f"fit {name}: a = {a / 1e3:.2f}k instructions fixed + b = {b / 1e3:.2f}k per "
+              f"tensor")
+    k2 = 2 if 2 in ks else ks[len(ks) // 2]
+    ratio = per_layer[("ours swap", k2)] / per_layer[("save_on_cpu", k2)]
+    print(f"ours / save_on_cpu host instructions at {k2} tensors per layer: {ratio:.2f} "
+          f"({'<=' if ratio <= 1.0 else '>'} 1.0)")
+    return {"instructions_per_layer": {f"{n} k={k}": v for (n, k), v in per_layer.items()},
+            "fits": fits, "ratio_k2": ratio}
+
+
 def run(args) -> dict:
+    if args.count_child:
+        return count_child(args)
+    if args.instructions:
+        return run_instructions(args)
     manager = SwapManager()
     was = manager.cpu_swap_enabled()
     manager.set_cpu_swap(True)
@@ -229,6 +370,12 @@ def add_args(p) -> None:
     p.add_argument("--modules", action="store_true",
                    help="layers are nn.Modules (a parameter and a buffer each) for every "
                         "contender, swapped through module swap_wrappers")
+    p.add_argument("--instructions", action="store_true",
+                   help="count instructions under callgrind (valgrind) instead of timing: "
+                        "one child process per contender and k, a count the machine's load "
+                        "does not move (--steps steps each, default 20)")
+    p.add_argument("--count-child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--count-lib", default=None, help=argparse.SUPPRESS)
 
 
 def main(argv=None) -> None:
