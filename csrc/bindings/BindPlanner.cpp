@@ -13,16 +13,17 @@ void bind_planner(py::module_& m) {
                          "One strategy's profiled cost for one layer (bytes, seconds); see "
                          "csrc/hyper_parallel/planner/CostModel.h.")
       .def(py::init([](int64_t kept, int64_t offload, double fwd, double bwd, int64_t deferred,
-                       int64_t shared) {
-             return OptionCost{kept, offload, fwd, bwd, deferred, shared};
+                       int64_t shared, int64_t held) {
+             return OptionCost{kept, offload, fwd, bwd, deferred, shared, held};
            }),
            py::arg("kept_bytes"), py::arg("offload_bytes"), py::arg("forward_seconds"),
            py::arg("backward_seconds"), py::arg("deferred_bytes") = 0,
-           py::arg("shared_bytes") = 0)
+           py::arg("shared_bytes") = 0, py::arg("held_bytes") = 0)
       .def_readwrite("kept_bytes", &OptionCost::kept_bytes)
       .def_readwrite("offload_bytes", &OptionCost::offload_bytes)
       .def_readwrite("deferred_bytes", &OptionCost::deferred_bytes)
       .def_readwrite("shared_bytes", &OptionCost::shared_bytes)
+      .def_readwrite("held_bytes", &OptionCost::held_bytes)
       .def_readwrite("forward_seconds", &OptionCost::forward_seconds)
       .def_readwrite("backward_seconds", &OptionCost::backward_seconds);
 
@@ -34,6 +35,7 @@ void bind_planner(py::module_& m) {
       .def_readwrite("layers", &StepProfile::layers)
       .def_readwrite("base_bytes", &StepProfile::base_bytes)
       .def_readwrite("tail_bytes", &StepProfile::tail_bytes)
+      .def_readwrite("tail_held_bytes", &StepProfile::tail_held_bytes)
       .def_readwrite("outside_seconds", &StepProfile::outside_seconds)
       .def_readwrite("tail_seconds", &StepProfile::tail_seconds)
       .def_readwrite("prefetch_depth", &StepProfile::prefetch_depth)

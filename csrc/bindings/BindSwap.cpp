@@ -545,6 +545,7 @@ void bind_swap(py::module_& m) {
       .def("reset", &SavedBytesMeter::reset)
       .def("begin_epoch", &SavedBytesMeter::begin_epoch, py::arg("epoch"))
       .def("resaved_bytes", &SavedBytesMeter::resaved_bytes, py::arg("epoch"))
+      .def("live_bytes", &SavedBytesMeter::live_bytes, py::arg("epoch"))
       .def("activate", [](const std::shared_ptr<SavedBytesMeter>& meter) {
         HP_CHECK(SavedBytesMeter::active() == nullptr,
                  "another saved_activation_memory() meter is already active; nesting meters is "

@@ -85,4 +85,14 @@ int64_t SavedBytesMeter::resaved_bytes(int epoch) const {
   return it == resaved_.end() ? 0 : it->second;
 }
 
+int64_t SavedBytesMeter::live_bytes(int epoch) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t total = 0;
+  for (const auto& kv : seen_) {
+    if (kv.second.first_epoch != epoch) continue;
+    if (auto strong = kv.second.storage.lock()) total += static_cast<int64_t>(strong->nbytes());
+  }
+  return total;
+}
+
 }  // namespace hyper_parallel::activation

@@ -40,6 +40,10 @@ class SavedBytesMeter {
   void begin_epoch(int epoch);
   // Bytes re-observed in `epoch` of storages first observed in an earlier epoch >= 1.
   int64_t resaved_bytes(int epoch) const;
+  // Current bytes of the live storages first observed in `epoch` (any epoch; a storage
+  // offloaded in place counts 0). The profile reads it when the backward ends: what the
+  // caller still holds of each layer's saves.
+  int64_t live_bytes(int epoch) const;
 
   // The meter PackHooks report to (at most one active at a time), or null.
   static SavedBytesMeter* active();

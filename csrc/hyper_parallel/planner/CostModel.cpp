@@ -26,14 +26,15 @@ void StepProfile::validate() const {
     for (size_t o = 0; o < options.size(); ++o) {
       const OptionCost& c = layers[k][o];
       HP_CHECK_VALUE(c.kept_bytes >= 0 && c.offload_bytes >= 0 && c.deferred_bytes >= 0 &&
-                     c.shared_bytes >= 0, "layer ", k, " option '",
+                     c.shared_bytes >= 0 && c.held_bytes >= 0, "layer ", k, " option '",
                      options[o], "' has negative bytes");
       HP_CHECK_VALUE(good_seconds(c.forward_seconds) && good_seconds(c.backward_seconds),
                      "layer ", k, " option '", options[o],
                      "' has a negative or non-finite time");
     }
   }
-  HP_CHECK_VALUE(base_bytes >= 0 && tail_bytes >= 0, "profile base/tail bytes must be >= 0");
+  HP_CHECK_VALUE(base_bytes >= 0 && tail_bytes >= 0 && tail_held_bytes >= 0,
+                 "profile base/tail bytes must be >= 0");
   HP_CHECK_VALUE(prefetch_depth >= 0, "profile prefetch depth must be >= 0, got ",
                  prefetch_depth);
   HP_CHECK_VALUE(offload_window >= 0, "profile offload window must be >= 0, got ",
@@ -149,6 +150,7 @@ Prediction evaluate(const StepProfile& p, const std::vector<int>& assignment) {
   const size_t depth = static_cast<size_t>(p.prefetch_depth);
   int64_t below = resident;  // bytes of L0..Lk on the device (not sent)
   int64_t window = 0;        // sent bytes of Lk-d .. Lk
+  int64_t after = p.tail_held_bytes;  // held by the caller past their backward: Lk+1 .. tail
   for (size_t k = n; k-- > 0;) {
     if (k + 1 == n) {
       for (size_t i = k + 1 > depth ? k - depth : 0; i <= k; ++i) window += sent[i];
@@ -156,8 +158,11 @@ Prediction evaluate(const StepProfile& p, const std::vector<int>& assignment) {
       window -= sent[k + 1];
       if (k >= depth) window += sent[k - depth];
     }
-    consider(p.base_bytes + below + window, static_cast<int>(k), true);
+    consider(p.base_bytes + below + window + after, static_cast<int>(k), true);
+    // Lk's backward frees what it kept, except what the caller holds (never sent).
+    const int64_t held = std::min(c[k].held_bytes, c[k].saved_bytes() - sent[k]);
     below -= c[k].saved_bytes() - sent[k];
+    after += held;
   }
   out.host_peak_bytes = out.offload_bytes;
   t += p.tail_seconds;

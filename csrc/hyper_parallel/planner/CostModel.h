@@ -21,6 +21,12 @@
 //    with its own layer. Deferred bytes with no release point after them before the turn
 //    stay on the device.
 //  * the last layer offloads nothing; its bytes stay on the device.
+//  * held bytes: a layer's saved storages that the caller still holds when the backward
+//    ends (the loop variable holding the last layer's input, a list of hidden states, a
+//    module's buffer) are not freed by the layer's backward: they stay on the device, and
+//    count, until the step ends. They are part of what stays on the device in the forward
+//    (a release point defers a storage in use elsewhere, and it stays in use). The same for
+//    the head's saves (tail_held_bytes): the caller holds the head's input.
 //  * shared charge: the meter counts a storage once, when the first layer saves it, and a
 //    uniform profile charges layer 0 for what all layers share (a decoder's causal mask).
 //    In an assignment, the first layer k >= 1 of an option that no layer before it runs
@@ -46,6 +52,7 @@
 //  * end of the forward (with the head's saves): base + saved(L0..Ln-1) - sent(L0..Ln-1) + tail
 //  * start of Lk's backward, its reloads issued:
 //                      base + saved(L0..Lk) - sent(L0..Lk) + sent(k-d .. k)
+//                      + held(Lk+1..Ln-1) + tail_held
 // (With W > 0 the offload bytes of layers still waiting count on the device; a layer
 // never offloaded counts as kept.)
 // Host bytes: every offloaded byte is on the host at the end of the forward (the D2H
@@ -79,6 +86,12 @@ struct OptionCost {
                                // all layers save), not in kept_bytes: the profile's layer 0
                                // paid them. Charged (see the header) to the first layer of
                                // an option no earlier layer ran.
+  int64_t held_bytes = 0;      // of the bytes that stay on the device (kept_bytes; for the
+                               // last layer all it saves), those the caller still holds when
+                               // the backward ends: not freed by its backward, they count
+                               // until the step ends (docs/design.md, "Held by the caller");
+                               // evaluate() counts at most the layer's bytes that were not
+                               // sent (a figure above them is read as all of them)
   int64_t saved_bytes() const { return kept_bytes + offload_bytes + deferred_bytes; }
   int64_t group_bytes() const { return offload_bytes + deferred_bytes; }
 };
@@ -98,6 +111,9 @@ struct StepProfile {
   int64_t base_bytes = 0;   // saved before the first layer (embedding); held all step
   int64_t tail_bytes = 0;   // saved after the last layer (head, loss); freed before the
                             // last layer's backward begins
+  int64_t tail_held_bytes = 0;  // of tail_bytes, what the caller holds until the step ends
+                                // (the head's input, still referenced): counted at every
+                                // backward sample point
   double outside_seconds = 0.0;  // step time outside the layers and the tail window
   double tail_seconds = 0.0;     // end of the last layer's forward -> start of its backward
   CopyLink d2h;

@@ -251,25 +251,61 @@ int64_t Planner::max_shared_charge(const std::vector<uint64_t>& masks) const {
   return total;
 }
 
+bool Planner::uneven_held(const std::vector<uint64_t>& m) const {
+  for (size_t k = 1; k < profile_.num_layers(); ++k) {
+    int64_t seen = -1;
+    for (size_t o = 0; o < profile_.num_options(); ++o) {
+      if (!(m[k] >> o & 1)) continue;
+      const OptionCost c = profile_.effective(k, o);
+      const int64_t h = std::min(c.held_bytes, c.kept_bytes + c.deferred_bytes);
+      if (c.deferred_bytes > 0 && c.held_bytes > c.kept_bytes) return true;  // may differ
+      if (seen >= 0 && h != seen) return true;
+      seen = h;
+    }
+  }
+  return false;
+}
+
 PlanResult Planner::solve(int64_t budget, const std::vector<uint64_t>& allowed,
                           int64_t host_budget) const {
+  // Held bytes (Planner.h): where the options of a layer hold unlike bytes, the search
+  // charging each later layer the least is a relaxation; its plan, when evaluate() finds
+  // it within the budget, is the optimum. Otherwise the search charging the most (every
+  // plan found fits).
+  const std::vector<uint64_t> m = masks(allowed);
+  if (!uneven_held(m)) return solve_charged(budget, allowed, host_budget, false);
+  PlanResult least = solve_charged(budget, allowed, host_budget, true);
+  if (!least.feasible || least.prediction.peak_bytes <= budget) return least;
+  PlanResult most = solve_charged(budget, allowed, host_budget, false);
+  most.stats.exact = false;
+  most.stats.lower_bound = std::isfinite(least.stats.lower_bound) && most.feasible
+                               ? std::min(least.stats.lower_bound, most.stats.objective)
+                               : std::numeric_limits<double>::quiet_NaN();
+  return most;
+}
+
+PlanResult Planner::solve_charged(int64_t budget, const std::vector<uint64_t>& allowed,
+                                  int64_t host_budget, bool least_held) const {
   // The search leaves the shared charge out (Planner.h); evaluate() counts it. A plan over
   // the budget is searched again charging every run's first layer (an upper bound of the
   // charge: every plan found fits), and under the budget less the most any plan can be
   // charged (every plan found fits too); the faster of the two.
-  PlanResult r = solve_uncharged(budget, allowed, host_budget);
+  PlanResult r = solve_uncharged(budget, allowed, host_budget, least_held);
+  // (With the least held bytes a plan may be over the budget for that reason alone: it
+  // goes through the searches below, and solve() checks what comes back.)
   if (!r.feasible || r.prediction.peak_bytes <= budget) return r;
   const std::vector<uint64_t> m = masks(allowed);
   PlanResult runs = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels,
-                           0, false, 0, kExactLabelsPerLayer, true);
+                           0, false, 0, kExactLabelsPerLayer, true, least_held);
   if (runs.stats.overflowed) {
     const int64_t bucket = std::max<int64_t>(1, (budget - profile_.base_bytes) / kFallbackBins);
     runs = search(budget, host_budget, m, false, quantum_, tolerance_, -1, kFallbackPerBin, false,
-                  bucket, 0, true);
+                  bucket, 0, true, least_held);
     runs.stats.exact = false;
   }
   runs.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
-  PlanResult lowered = solve_uncharged(budget - max_shared_charge(m), allowed, host_budget);
+  PlanResult lowered = solve_uncharged(budget - max_shared_charge(m), allowed, host_budget,
+                                       least_held);
   lowered.stats.exact = false;
   lowered.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
   const bool runs_ok = runs.feasible && runs.prediction.peak_bytes <= budget;
@@ -279,11 +315,11 @@ PlanResult Planner::solve(int64_t budget, const std::vector<uint64_t>& allowed,
     return runs;
   }
   if (lowered_ok) return lowered;
-  return PlanResult{};  // cannot happen: both searches' plans fit
+  return PlanResult{};  // without least_held, cannot happen: both searches' plans fit
 }
 
 PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>& allowed,
-                                    int64_t host_budget) const {
+                                    int64_t host_budget, bool least_held) const {
   const std::vector<uint64_t> m = masks(allowed);
   // The time found is the optimum (a lower bound of itself) only where the search is
   // exact: depth <= 1, no tolerance, no byte rounding.
@@ -292,7 +328,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   // kExactLabelsPerLayer x (layers decided): fronts that grow that fast are the
   // saturated case, whose fronts reach 10^5-10^6 labels (Planner.h).
   PlanResult r = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels, 0,
-                        false, 0, kExactLabelsPerLayer);
+                        false, 0, kExactLabelsPerLayer, false, least_held);
   if (!r.stats.overflowed) {
     r.stats.lower_bound = bounded && quantum_ == 1 && r.feasible
                               ? r.stats.objective
@@ -303,14 +339,15 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   // the fastest undominated few per bin and phase.
   const int64_t bucket = std::max<int64_t>(1, (budget - profile_.base_bytes) / kFallbackBins);
   PlanResult a = search(budget, host_budget, m, false, quantum_, tolerance_, -1, kFallbackPerBin,
-                        false, bucket);
+                        false, bucket, 0, false, least_held);
   a.stats.labels_created += r.stats.labels_created;
   a.stats.labels_kept += r.stats.labels_kept;
   a.stats.exact = false;
   a.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
   if (!bounded || !a.feasible) {
     // No bound to judge the heuristic by: the exact search up to the full limit.
-    PlanResult e = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels);
+    PlanResult e = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels,
+                          0, false, 0, 0, false, least_held);
     if (!e.stats.overflowed) {
       e.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
       return e;
@@ -336,6 +373,28 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   return a;
 }
 
+std::vector<int64_t> Planner::held_after(const std::vector<uint64_t>& allowed,
+                                         bool least) const {
+  // out[k]: bytes of Lk+1 .. Ln-1 that the caller holds past their backward (Planner.h),
+  // the most (or the least) of each layer's allowed options, plus the head's.
+  const StepProfile& p = profile_;
+  const size_t n = p.num_layers(), s = p.num_options();
+  std::vector<int64_t> out(n, p.tail_held_bytes);
+  for (size_t k = n; k-- > 1;) {
+    int64_t pick = -1;
+    for (size_t o = 0; o < s; ++o) {
+      if (!(allowed[k] >> o & 1)) continue;
+      // What evaluate() can count: at most the bytes not sent, which are at least the
+      // kept bytes and at most the kept and deferred ones.
+      const OptionCost c = p.effective(k, o);
+      const int64_t h = std::min(c.held_bytes, c.kept_bytes + (least ? 0 : c.deferred_bytes));
+      pick = pick < 0 ? h : (least ? std::min(pick, h) : std::max(pick, h));
+    }
+    out[k - 1] = out[k] + std::max<int64_t>(0, pick);
+  }
+  return out;
+}
+
 double Planner::relaxed_bound(int64_t budget, const std::vector<uint64_t>& allowed) const {
   // Labels (kept, time, class of the last layer), one phase: without backlog the phases of
   // search() price every layer alike. Kept in increasing kept bytes; a label is dropped
@@ -359,6 +418,7 @@ double Planner::relaxed_bound(int64_t budget, const std::vector<uint64_t>& allow
   constexpr size_t kNone = ~size_t{0};
   std::vector<size_t> last_of;  // per class: its latest label in next
   const int64_t bin_bytes = std::max<int64_t>(1, (budget - p.base_bytes) / kBoundBins);
+  const std::vector<int64_t> after = held_after(allowed, true);  // a relaxation: the least
   for (size_t k = 0; k < n; ++k) {
     const bool last = k + 1 == n;
     for (auto& l : lists) l.clear();
@@ -374,7 +434,7 @@ double Planner::relaxed_bound(int64_t budget, const std::vector<uint64_t>& allow
       for (const R& b : cur) {
         const int64_t prev_off = depth_ > 0 && k > 0 ? class_bytes_[k - 1][b.cls] : 0;
         const int64_t held = p.base_bytes + b.kept + c.kept_bytes + off;
-        if (held > budget || held + prev_off > budget) continue;
+        if (held > budget || held + prev_off + after[k] > budget) continue;
         if (last && p.base_bytes + b.kept + c.kept_bytes + p.tail_bytes > budget) continue;
         double t = b.time + work;
         if (!exposed && prev_off > 0) {
@@ -437,7 +497,7 @@ PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_
   const std::vector<uint64_t> m = masks(allowed);
   const StepProfile& p = profile_;
   // An upper bound of every plan's peak: each sample point is at most this.
-  int64_t hi = p.base_bytes + p.tail_bytes;
+  int64_t hi = p.base_bytes + p.tail_bytes + p.tail_held_bytes;
   for (size_t k = 0; k < p.num_layers(); ++k) {
     int64_t most = 0;
     for (size_t o = 0; o < p.num_options(); ++o) {
@@ -446,19 +506,30 @@ PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_
     }
     hi += round_up(2 * most, quantum_) + quantum_;
   }
-  auto fits = [&](int64_t b) { return search(b, host_budget, m, true, quantum_, 0.0, -1).feasible; };
-  if (!fits(hi)) return {};
-  int64_t lo = p.base_bytes;  // infeasible: every plan holds more than base
-  while (hi - lo > 1) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (fits(mid)) hi = mid;
-    else lo = mid;
-  }
+  auto fits = [&](int64_t b, bool least) {
+    return search(b, host_budget, m, true, quantum_, 0.0, -1, 0, false, 0, 0, false, least)
+        .feasible;
+  };
+  // The least budget the memory-only search meets (charging the most held bytes, or the
+  // least: a relaxation).
+  auto least_budget = [&](int64_t top, bool least) {
+    int64_t lo = p.base_bytes;  // infeasible: every plan holds more than base
+    while (top - lo > 1) {
+      const int64_t mid = lo + (top - lo) / 2;
+      if (fits(mid, least)) top = mid;
+      else lo = mid;
+    }
+    return top;
+  };
+  if (!fits(hi, false)) return {};
+  hi = least_budget(hi, false);
   // With a shared charge the least budget solve() meets lies in [hi, hi + charge]
-  // (solve(hi + charge) searches at hi at worst, where a plan exists).
+  // (solve(hi + charge) searches at hi at worst, where a plan exists); with held bytes
+  // that differ between options it may lie below hi, down to the relaxation's least.
   const int64_t charge = max_shared_charge(m);
-  if (charge > 0) {
-    int64_t top = hi + charge, bottom = hi - 1;
+  const bool uneven = uneven_held(m);
+  if (charge > 0 || uneven) {
+    int64_t top = hi + charge, bottom = (uneven ? least_budget(hi, true) : hi) - 1;
     while (top - bottom > 1) {
       const int64_t mid = bottom + (top - bottom) / 2;
       if (solve(mid, allowed, host_budget).feasible) top = mid;
@@ -473,7 +544,8 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
                            const std::vector<uint64_t>& allowed, bool memory_only,
                            int64_t quantum, double tolerance, int64_t max_labels,
                            int per_kept, bool relaxed, int64_t bucket,
-                           int64_t labels_per_layer, bool charge_runs) const {
+                           int64_t labels_per_layer, bool charge_runs,
+                           bool least_held) const {
   const StepProfile& p = profile_;
   const size_t n = p.num_layers(), s = p.num_options();
   const int depth = depth_;
@@ -483,6 +555,9 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
   if (budget <= p.base_bytes) return result;
   uint64_t keep_mod = 1;  // radix^(depth - 1): the digits that survive one shift
   for (int i = 1; i < depth; ++i) keep_mod *= radix_;
+  // Bytes the caller holds past their backward, of the layers after each (Planner.h):
+  // the most any allowed option holds (the least for the relaxation, a lower bound).
+  const std::vector<int64_t> after = held_after(allowed, relaxed || least_held);
 
   // Per layer: the least forward time and the least work (forward + backward) left from
   // it on, over its allowed options; a backlog that these surely drain is as good as none.
@@ -575,7 +650,7 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
                                                   ? p.layers[k][o].shared_bytes
                                                   : 0);
         if (held + pending + kept + off > budget) continue;              // end of its forward
-        if (held + kept + off + window > budget) continue;               // start of its backward
+        if (held + kept + off + window + after[k] > budget) continue;    // start of its backward
         if (last && held + kept + p.tail_bytes > budget) continue;       // end of forward
         if (base.host + off > host_cap) continue;
         // Host bytes matter only under a host budget (otherwise they would split fronts).

@@ -53,6 +53,17 @@
 // shift (PlannerTest measures the loss against brute force); without them the search is
 // exact as below.
 //
+// Held bytes (OptionCost::held_bytes: saved storages the caller holds until the step
+// ends): the backward sample point of Lk counts those of the later layers, which the
+// forward search has not chosen yet; it charges each later layer the most held bytes of
+// its allowed options. Every plan found fits, and the search is exact where each layer's
+// options hold the same bytes (the caller holds one storage, which every strategy saves:
+// the last layer's input). Where they differ (a module's buffer that only some strategies
+// save in the forward), solve() first searches charging the least (a relaxation): its plan
+// is the optimum when evaluate() finds it within the budget; otherwise the plan charging
+// the most is returned, marked not exact. min_peak() binary-searches solve() between the
+// two searches' least budgets.
+//
 // Shared charge (CostModel.h): the search leaves it out (it would need the set of options
 // used so far in every label). solve() checks the plan with evaluate(), which counts it;
 // a plan over the budget is searched twice more: charging the first layer of every run of
@@ -178,9 +189,15 @@ class Planner {
   const StepProfile& profile() const { return profile_; }
 
  private:
-  // solve() without the shared charge (the search as described above).
+  // solve() for one way of charging held bytes (`least_held`: each later layer's least,
+  // else its most; see the header comment).
+  PlanResult solve_charged(int64_t budget_bytes, const std::vector<uint64_t>& allowed,
+                           int64_t host_budget_bytes, bool least_held) const;
+  // solve_charged() without the shared charge (the search as described above).
   PlanResult solve_uncharged(int64_t budget_bytes, const std::vector<uint64_t>& allowed,
-                             int64_t host_budget_bytes) const;
+                             int64_t host_budget_bytes, bool least_held = false) const;
+  // Whether some layer (>= 1) allows options holding unlike held_bytes.
+  bool uneven_held(const std::vector<uint64_t>& masks) const;
   // The largest shared charge of any assignment within `masks` (masks()): per option, its
   // largest shared_bytes over the layers (>= 1) that allow it.
   int64_t max_shared_charge(const std::vector<uint64_t>& masks) const;
@@ -189,11 +206,15 @@ class Planner {
                     const std::vector<uint64_t>& allowed, bool memory_only, int64_t quantum,
                     double tolerance, int64_t max_labels, int per_kept = 0,
                     bool relaxed = false, int64_t bucket = 0,
-                    int64_t labels_per_layer = 0, bool charge_runs = false) const;
+                    int64_t labels_per_layer = 0, bool charge_runs = false,
+                    bool least_held = false) const;
   // The optimum of the relaxation (depth <= 1, no host budget): exact bytes, no D2H
   // backlog; +inf when no plan meets the budget.
   double relaxed_bound(int64_t budget_bytes, const std::vector<uint64_t>& allowed) const;
   std::vector<uint64_t> masks(const std::vector<uint64_t>& allowed) const;
+  // Per layer k: the held bytes (OptionCost::held_bytes) of Lk+1 .. Ln-1, each layer's
+  // most (`least`: least) over the options `allowed` (masks()) permits, plus the tail's.
+  std::vector<int64_t> held_after(const std::vector<uint64_t>& allowed, bool least) const;
 
   StepProfile profile_;
   int64_t quantum_;

@@ -89,6 +89,20 @@ int64_t peak_of(const StepProfile& p, int option) {
   return evaluate(p, std::vector<int>(p.num_layers(), option)).peak_bytes;
 }
 
+int64_t brute_force_min_peak(const StepProfile& p) {
+  const size_t n = p.num_layers(), s = p.num_options();
+  std::vector<int> a(n, 0);
+  int64_t best = -1;
+  while (true) {
+    const int64_t peak = evaluate(p, a).peak_bytes;
+    if (best < 0 || peak < best) best = peak;
+    size_t k = 0;
+    while (k < n && ++a[k] == static_cast<int>(s)) a[k++] = 0;
+    if (k == n) break;
+  }
+  return best;
+}
+
 TEST(PlannerTest, MatchesBruteForceOnSixLayersFourOptions) {
   // 6 seeds x 4 copy speeds x 6 budgets x prefetch depths 0 and 1: the exact optimum.
   int feasible = 0;
@@ -515,6 +529,112 @@ TEST(PlannerTest, WithDeferredBytesThePlanMeetsItsBudgetAndIsNearTheOptimum) {
   // timing shift did not change an optimum here); bytes are exact, so none may be missed.
   EXPECT_EQ(missed, 0);
   EXPECT_LT(worst, 0.01);
+}
+
+TEST(PlannerTest, HeldBytesCountUntilTheStepEnds) {
+  // The caller holds 500 bytes of the last layer's saves (its input) and 200 of the head's
+  // past their backward. Uniform swap: forward points 1000, 1100, 1200, end of forward
+  // 1400. Backward: at L2, its 1000 + L0's and L1's kept 200 + L1's reload 900 + the
+  // head's held 200 = 2300; at L1, the kept 200 + reloads of L1 and L0 1800 + held 700
+  // (L2's 500, the head's 200) = 2700; at L0, 100 + 900 + 700 = 1700.
+  StepProfile p;
+  p.options = {"none", "swap"};
+  for (int k = 0; k < 3; ++k) {
+    const int64_t held = k == 2 ? 500 : 0;
+    p.layers.push_back({OptionCost{1000, 0, 1.0, 2.0, 0, 0, held},
+                        OptionCost{100, 900, 1.0, 2.0, 0, 0, held}});
+  }
+  p.tail_bytes = 200;
+  p.tail_held_bytes = 200;
+  const Prediction swap = evaluate(p, {1, 1, 1});
+  EXPECT_EQ(swap.peak_bytes, 2700);
+  EXPECT_EQ(swap.peak_layer, 1);
+  EXPECT_TRUE(swap.peak_in_backward);
+  // Nothing held: the peak is L2's backward point, 1200 + 900.
+  StepProfile free = p;
+  free.tail_held_bytes = 0;
+  for (auto& options : free.layers) {
+    for (auto& c : options) c.held_bytes = 0;
+  }
+  EXPECT_EQ(evaluate(free, {1, 1, 1}).peak_bytes, 2100);
+  // "none" peaks at the end of the forward either way (3000 + 200).
+  EXPECT_EQ(evaluate(p, {0, 0, 0}).peak_bytes, 3200);
+  // The planner sees it: at 2699 bytes uniform swap does not fit.
+  const PlanResult got = Planner(p).solve(2699);
+  if (got.feasible) {
+    EXPECT_LE(got.prediction.peak_bytes, 2699);
+    EXPECT_NE(got.assignment, (std::vector<int>{1, 1, 1}));
+  }
+  EXPECT_EQ(Planner(p).min_peak().prediction.peak_bytes,
+            brute_force_min_peak(p));
+  // Held bytes count at most what the layer left on the device: L1's swap option said to
+  // hold 1000 bytes holds its 100 kept bytes (the 900 it offloaded were reloaded and freed).
+  // Depth 0 and L0 keeping 1200 and offloading 1900 (its backward point the peak): at L0's
+  // backward its 1200 + its reload 1900 + held 700 + L1's 100 = 3900.
+  StepProfile kept = p;
+  kept.prefetch_depth = 0;
+  kept.layers[0][1].kept_bytes = 1200;
+  kept.layers[0][1].offload_bytes = 1900;
+  StepProfile over = kept, none_held = kept;
+  kept.layers[1][1].held_bytes = 100;
+  over.layers[1][1].held_bytes = 1000;
+  EXPECT_NO_THROW(over.validate());
+  EXPECT_EQ(evaluate(kept, {1, 1, 1}).peak_bytes, 3900);
+  EXPECT_EQ(evaluate(kept, {1, 1, 1}).peak_layer, 0);
+  EXPECT_EQ(evaluate(over, {1, 1, 1}).peak_bytes, 3900);
+  EXPECT_EQ(evaluate(none_held, {1, 1, 1}).peak_bytes, 3800);
+}
+
+// The synthetic profile with the caller holding layer 2's and the last layer's inputs
+// (every option keeps its inputs: the same bytes for each) and 4 MiB of the head's saves;
+// `uneven`: only "none" holds layer 2's bytes (the others would not save that storage).
+StepProfile with_held(StepProfile p, bool uneven) {
+  const size_t n = p.layers.size();
+  for (size_t k : {size_t{2}, n - 1}) {
+    for (size_t o = 0; o < p.num_options(); ++o) {
+      if (uneven && k == 2 && o != 0) continue;
+      p.layers[k][o].held_bytes = p.layers[k][1].kept_bytes;  // checkpoint keeps the inputs
+    }
+  }
+  p.tail_held_bytes = 4 * kMiB;
+  return p;
+}
+
+TEST(PlannerTest, WithHeldBytesThePlanMeetsItsBudgetAndIsExactWhenOptionsHoldAlike) {
+  int feasible = 0, missed = 0, uneven_missed = 0;
+  for (int depth : {1, 0}) {
+    for (uint32_t seed = 1; seed <= 4; ++seed) {
+      for (double ratio : {0.5, 2.0}) {
+        for (bool uneven : {false, true}) {
+          StepProfile p = with_held(synthetic(6, seed, ratio), uneven);
+          p.prefetch_depth = depth;
+          const int64_t none = peak_of(p, 0);
+          const Planner planner(p);
+          for (double fraction : {0.2, 0.3, 0.45, 0.6, 0.8, 1.0}) {
+            const int64_t budget = p.base_bytes + static_cast<int64_t>(
+                fraction * static_cast<double>(none - p.base_bytes));
+            const PlanResult got = planner.solve(budget);
+            const Best want = brute_force(p, budget);
+            SCOPED_TRACE("depth " + std::to_string(depth) + " seed " + std::to_string(seed) +
+                         " ratio " + std::to_string(ratio) + " uneven " +
+                         std::to_string(uneven) + " fraction " + std::to_string(fraction));
+            if (got.feasible) {
+              ASSERT_TRUE(want.found);
+              EXPECT_LE(got.prediction.peak_bytes, budget);
+              if (!uneven) EXPECT_NEAR(objective_of(got), want.time, want.time * 1e-12);
+              ++feasible;
+            } else if (want.found) {
+              (uneven ? uneven_missed : missed) += 1;
+            }
+          }
+        }
+      }
+    }
+  }
+  std::printf("held: %d plans, %d missed (%d where options hold unlike bytes)\n", feasible,
+              missed, uneven_missed);
+  EXPECT_GT(feasible, 150);
+  EXPECT_EQ(missed, 0);  // options holding the same bytes: exact
 }
 
 StepProfile six_options(size_t n, uint32_t seed, double copy_ratio) {

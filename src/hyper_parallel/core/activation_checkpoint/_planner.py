@@ -282,11 +282,12 @@ def _cpp_profile(profile: ActivationProfile, prefetch_depth: int = 1, offload_wi
     p.options = list(profile.strategies)
     p.layers = [[_C.PlannerOptionCost(c.kept_bytes, c.offload_bytes, c.forward_seconds,
                                       c.backward_seconds, deferred_bytes=c.deferred_bytes,
-                                      shared_bytes=c.shared_bytes)
+                                      shared_bytes=c.shared_bytes, held_bytes=c.held_bytes)
                  for c in (profile.costs[s][k] for s in profile.strategies)]
                 for k in range(len(profile.layer_names))]
     p.base_bytes = int(profile.base_bytes)
     p.tail_bytes = int(profile.tail_bytes)
+    p.tail_held_bytes = int(profile.tail_held_bytes)
     p.outside_seconds = float(profile.outside_seconds)
     p.tail_seconds = float(profile.tail_seconds)
     p.set_links(profile.d2h.latency_seconds, profile.d2h.seconds_per_byte,

@@ -26,12 +26,25 @@ cost model of ``csrc/hyper_parallel/planner/CostModel.h`` needs:
   meter counts a storage once: the causal mask and rotary tables a decoder's layers all
   save are paid by layer 0 in a uniform step); a mixed plan's first layer of a strategy
   pays them when no earlier layer ran that strategy (the cost model's shared charge);
+* ``held_bytes``: bytes of the layer's saves that the caller still holds when the backward
+  ends (a loop variable holding the last layer's input, a list of hidden states, a
+  module's buffer): the layer's backward does not free them, and a swapping release point
+  cannot offload them (the engine defers a storage in use elsewhere at every release
+  point), so they are part of ``kept_bytes`` and stay counted until the step ends. Read
+  from the meter when the backward has run (an autograd callback, before ``backward()``
+  returns): the live bytes of the storages the layer saved first (its epoch tag). The
+  cost model counts them at the backward sample points of the layers before it; before
+  they were read it freed them at the layer's backward and predicted swapping plans low
+  (a 4-layer stack whose caller held the last input: ``checkpoint_swap`` 2048 B
+  predicted, 4096 B measured);
 * ``forward_seconds`` / ``backward_seconds``: wall time between hooks (the backward from
   the gradient of the layer's output to that of its input), minus the time the engine
   reports it stalled on reloads there; on an accelerator each hook synchronizes.
 
 and, outside the layers: the bytes saved before the first layer (held all step), those
-saved after the last one (the head and loss, freed before the layers' backward), the
+saved after the last one (the head and loss, freed before the layers' backward, except
+what the caller still holds when the backward ends: ``tail_held_bytes``, the head's input
+kept in a variable, counted through the backward), the
 time between the last layer's forward and its backward, the rest of the step time, and
 the copy link: seconds per byte and latency of the engine's own D2H and H2D copies, fitted
 to the service times of the copies on the engine's timeline (``activation_trace``): those
@@ -76,6 +89,7 @@ class LayerCost:
     backward_seconds: float
     deferred_bytes: int = 0
     shared_bytes: int = 0
+    held_bytes: int = 0
 
     @property
     def saved_bytes(self) -> int:
@@ -110,6 +124,8 @@ class ActivationProfile:
         costs: strategy -> one :class:`LayerCost` per layer.
         base_bytes: saved before the first layer, held all step.
         tail_bytes: saved after the last layer (head, loss).
+        tail_held_bytes: of ``tail_bytes``, what the caller still holds when the backward
+            ends (the head's input kept in a variable): on the device through the backward.
         tail_seconds: end of the last layer's forward to the start of its backward.
         outside_seconds: the rest of the step outside the layers.
         d2h, h2d: the copy links.
@@ -132,6 +148,7 @@ class ActivationProfile:
     output_bytes: list[int] = field(default_factory=list)
     device: str = "cpu"
     world_size: int = 1
+    tail_held_bytes: int = 0
 
     # ------------------------------------------------------------------ derived figures
     @property
@@ -261,6 +278,10 @@ class _StepProbe:
         # and when its backward begins
         self.peak_at_forward_end = self.peak_at_backward = None
         self.reloads_at_forward_end = self.reloads_at_backward = 0
+        # per layer, the bytes of its saves still counted when the backward ends (the
+        # caller holds them), and the same of the head's saves; None: not read
+        self.held_at_end = None
+        self.tail_held_at_end = 0
         self._handles = []
         for k, m in enumerate(modules):
             self._handles.append(m.register_forward_pre_hook(self._pre(k), with_kwargs=True))
@@ -336,7 +357,19 @@ class _StepProbe:
                 self.meter.sample()
                 self.peak_at_backward = self.meter.peak_bytes
                 self.reloads_at_backward = self._stats()["reload_bytes"]
+                # Read once every node of this backward has run (and released what it
+                # saved), before backward() returns to the caller.
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
         return hook
+
+    def _backward_ended(self):
+        meter = self.meter
+        if meter is None:
+            return
+        _sync(self.device)
+        # What layer k saved first is tagged k + 1, the head's and the backward's -1.
+        self.held_at_end = [int(meter._meter.live_bytes(k + 1)) for k in range(self.n)]
+        self.tail_held_at_end = int(meter._meter.live_bytes(-1))
 
     def _grad_in(self, k):
         def hook(grad):
@@ -402,7 +435,9 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
             offload_bytes=max(0, int(probe.off_after[k] - probe.off_before[k])),
             forward_seconds=max(0.0, probe.fwd_end[k] - probe.fwd_start[k]),
             backward_seconds=max(0.0, b_end - b_start - stall),
-            shared_bytes=shared[k]))
+            shared_bytes=shared[k],
+            # at most what stays on the device: _settle_kept clips it to kept_bytes
+            held_bytes=probe.held_at_end[k] if probe.held_at_end is not None else 0))
     last_bwd = probe.bwd_start[n - 1]
     tail_seconds = max(0.0, (last_bwd if last_bwd is not None else end) - probe.fwd_end[n - 1])
     busy = sum(c.forward_seconds + c.backward_seconds for c in costs)
@@ -416,6 +451,7 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
         "base_bytes": int(probe.mem_before[0]),
         # the head and loss over what the layers hold (not the backward's own peaks)
         "tail_bytes": max(0, int(head_peak) - int(probe.mem_after[n - 1])),
+        "tail_held_bytes": int(probe.tail_held_at_end),
         "tail_seconds": tail_seconds,
         "outside_seconds": max(0.0, end - start - busy - tail_seconds),
         "output_bytes": list(probe.out_bytes),
@@ -612,9 +648,15 @@ def _settle_kept(costs: list[LayerCost]) -> None:
     it leaves the device inside it); once the offloads are attributed what is left below
     zero is noise of the counters: kept at 0. Clipped before the attribution, the deferred
     bytes were added on top of the clipped figure (a 4-layer stack of alternating widths:
-    checkpoint_swap predicted 196 608 B against 135 168 B measured)."""
-    for c in costs:
+    checkpoint_swap predicted 196 608 B against 135 168 B measured).
+
+    Held bytes (the caller's references at the end of the backward) never left the device,
+    so they are part of what the layer kept (for the last layer, of all it saved: it keeps
+    everything); a figure above that is clipped to it."""
+    for k, c in enumerate(costs):
         c.kept_bytes = max(0, c.kept_bytes)
+        stays = c.saved_bytes if k + 1 == len(costs) else c.kept_bytes
+        c.held_bytes = max(0, min(c.held_bytes, stays))
 
 
 def _trace_free() -> bool:
@@ -683,7 +725,7 @@ def _typical(runs: list[dict]) -> dict:
     out["costs"] = [LayerCost(c.kept_bytes, c.offload_bytes,
                               statistics.median(r["costs"][k].forward_seconds for r in runs),
                               statistics.median(r["costs"][k].backward_seconds for r in runs),
-                              c.deferred_bytes, c.shared_bytes)
+                              c.deferred_bytes, c.shared_bytes, c.held_bytes)
                     for k, c in enumerate(runs[-1]["costs"])]
     for key in ("step_seconds", "tail_seconds", "outside_seconds"):
         out[key] = statistics.median(r[key] for r in runs)
@@ -778,16 +820,22 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
     # The cost model has one tail (the head's bytes, measured under "none"); what a
     # strategy's tail holds beyond it is saved after the last layer because of that
     # layer's strategy (the caller's auxiliary term of its output): the last layer's.
+    # The same for what the caller holds of the head's saves until the backward ends.
     for name in names:
+        last = runs[name]["costs"][-1]
         extra = runs[name]["tail_bytes"] - none["tail_bytes"]
         if extra > 0:
-            runs[name]["costs"][-1].kept_bytes += extra
+            last.kept_bytes += extra
+        held = runs[name]["tail_held_bytes"] - none["tail_held_bytes"]
+        if held > 0:
+            last.held_bytes = min(last.saved_bytes, last.held_bytes + held)
     profile = ActivationProfile(
         layer_names=layer_names,
         strategies=names,
         costs={n: runs[n]["costs"] for n in names},
         base_bytes=none["base_bytes"],
         tail_bytes=none["tail_bytes"],
+        tail_held_bytes=none["tail_held_bytes"],
         tail_seconds=none["tail_seconds"],
         outside_seconds=none["outside_seconds"],
         d2h=link_d2h,
@@ -863,14 +911,15 @@ def _worst_over_ranks(profile: ActivationProfile, device: torch.device) -> Activ
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return profile
-    values: list[float] = [profile.base_bytes, profile.tail_bytes, profile.tail_seconds,
+    values: list[float] = [profile.base_bytes, profile.tail_bytes, profile.tail_held_bytes,
+                           profile.tail_seconds,
                            profile.outside_seconds, profile.d2h.latency_seconds,
                            profile.d2h.seconds_per_byte, profile.h2d.latency_seconds,
                            profile.h2d.seconds_per_byte]
     for name in profile.strategies:
         for c in profile.costs[name]:
             values += [c.kept_bytes, c.offload_bytes, c.deferred_bytes, c.shared_bytes,
-                       c.forward_seconds, c.backward_seconds]
+                       c.held_bytes, c.forward_seconds, c.backward_seconds]
         values += [profile.measured[name]["peak_bytes"], profile.measured[name]["step_seconds"]]
     values += profile.output_bytes
     on = device if dist.get_backend() != "gloo" else torch.device("cpu")
@@ -878,13 +927,14 @@ def _worst_over_ranks(profile: ActivationProfile, device: torch.device) -> Activ
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     v = iter(t.cpu().tolist())
     profile.base_bytes, profile.tail_bytes = int(next(v)), int(next(v))
+    profile.tail_held_bytes = int(next(v))
     profile.tail_seconds, profile.outside_seconds = next(v), next(v)
     profile.d2h = CopyLink(next(v), next(v))
     profile.h2d = CopyLink(next(v), next(v))
     for name in profile.strategies:
         for c in profile.costs[name]:
-            c.kept_bytes, c.offload_bytes, c.deferred_bytes, c.shared_bytes = (
-                int(next(v)), int(next(v)), int(next(v)), int(next(v)))
+            c.kept_bytes, c.offload_bytes, c.deferred_bytes, c.shared_bytes, c.held_bytes = (
+                int(next(v)), int(next(v)), int(next(v)), int(next(v)), int(next(v)))
             c.forward_seconds, c.backward_seconds = next(v), next(v)
         profile.measured[name] = {"peak_bytes": int(next(v)), "step_seconds": next(v)}
     profile.output_bytes = [int(next(v)) for _ in profile.output_bytes]
