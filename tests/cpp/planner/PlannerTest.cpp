@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
@@ -103,34 +104,47 @@ int64_t brute_force_min_peak(const StepProfile& p) {
   return best;
 }
 
-TEST(PlannerTest, MatchesBruteForceOnSixLayersFourOptions) {
-  // 6 seeds x 4 copy speeds x 6 budgets x prefetch depths 0 and 1: the exact optimum.
-  int feasible = 0;
+// Calls check(planner, budget) for prefetch depths 1 and 0, each seed and copy ratio of
+// make(seed, ratio) and each budget, a fraction of "none"'s peak above the base bytes.
+template <typename Make, typename Check>
+void for_each_budget(std::initializer_list<uint32_t> seeds, std::initializer_list<double> ratios,
+                     std::initializer_list<double> fractions, Make make, Check check) {
   for (int depth : {1, 0}) {
-    for (uint32_t seed = 1; seed <= 6; ++seed) {
-      for (double ratio : {0.5, 1.0, 2.0, 4.0}) {
-        StepProfile p = synthetic(6, seed, ratio);
+    for (uint32_t seed : seeds) {
+      for (double ratio : ratios) {
+        StepProfile p = make(seed, ratio);
         p.prefetch_depth = depth;
         const int64_t none = peak_of(p, 0);
         const Planner planner(p);
-        for (double fraction : {0.15, 0.25, 0.4, 0.6, 0.8, 1.0}) {
+        for (double fraction : fractions) {
           const int64_t budget = p.base_bytes + static_cast<int64_t>(
               fraction * static_cast<double>(none - p.base_bytes));
-          const PlanResult got = planner.solve(budget);
-          const Best want = brute_force(p, budget);
           SCOPED_TRACE("depth " + std::to_string(depth) + " seed " + std::to_string(seed) +
                        " ratio " + std::to_string(ratio) + " fraction " +
                        std::to_string(fraction));
-          ASSERT_EQ(got.feasible, want.found);
-          if (!want.found) continue;
-          ++feasible;
-          EXPECT_LE(got.prediction.peak_bytes, budget);
-          EXPECT_NEAR(objective_of(got), want.time, 1e-12 * want.time);
-          EXPECT_EQ(got.prediction.offload_bytes, want.traffic);
+          check(planner, p, budget);
         }
       }
     }
   }
+}
+
+TEST(PlannerTest, MatchesBruteForceOnSixLayersFourOptions) {
+  // 6 seeds x 4 copy speeds x 6 budgets x prefetch depths 0 and 1: the exact optimum.
+  int feasible = 0;
+  for_each_budget(
+      {1, 2, 3, 4, 5, 6}, {0.5, 1.0, 2.0, 4.0}, {0.15, 0.25, 0.4, 0.6, 0.8, 1.0},
+      [](uint32_t seed, double ratio) { return synthetic(6, seed, ratio); },
+      [&](const Planner& planner, const StepProfile& p, int64_t budget) {
+        const PlanResult got = planner.solve(budget);
+        const Best want = brute_force(p, budget);
+        ASSERT_EQ(got.feasible, want.found);
+        if (!want.found) return;
+        ++feasible;
+        EXPECT_LE(got.prediction.peak_bytes, budget);
+        EXPECT_NEAR(objective_of(got), want.time, 1e-12 * want.time);
+        EXPECT_EQ(got.prediction.offload_bytes, want.traffic);
+      });
   EXPECT_GT(feasible, 200);  // most of the 288 cases have a plan
 }
 
@@ -602,34 +616,23 @@ StepProfile with_held(StepProfile p, bool uneven) {
 
 TEST(PlannerTest, WithHeldBytesThePlanMeetsItsBudgetAndIsExactWhenOptionsHoldAlike) {
   int feasible = 0, missed = 0, uneven_missed = 0;
-  for (int depth : {1, 0}) {
-    for (uint32_t seed = 1; seed <= 4; ++seed) {
-      for (double ratio : {0.5, 2.0}) {
-        for (bool uneven : {false, true}) {
-          StepProfile p = with_held(synthetic(6, seed, ratio), uneven);
-          p.prefetch_depth = depth;
-          const int64_t none = peak_of(p, 0);
-          const Planner planner(p);
-          for (double fraction : {0.2, 0.3, 0.45, 0.6, 0.8, 1.0}) {
-            const int64_t budget = p.base_bytes + static_cast<int64_t>(
-                fraction * static_cast<double>(none - p.base_bytes));
-            const PlanResult got = planner.solve(budget);
-            const Best want = brute_force(p, budget);
-            SCOPED_TRACE("depth " + std::to_string(depth) + " seed " + std::to_string(seed) +
-                         " ratio " + std::to_string(ratio) + " uneven " +
-                         std::to_string(uneven) + " fraction " + std::to_string(fraction));
-            if (got.feasible) {
-              ASSERT_TRUE(want.found);
-              EXPECT_LE(got.prediction.peak_bytes, budget);
-              if (!uneven) EXPECT_NEAR(objective_of(got), want.time, want.time * 1e-12);
-              ++feasible;
-            } else if (want.found) {
-              (uneven ? uneven_missed : missed) += 1;
-            }
+  for (bool uneven : {false, true}) {
+    SCOPED_TRACE(uneven ? "options hold unlike bytes" : "options hold alike");
+    for_each_budget(
+        {1, 2, 3, 4}, {0.5, 2.0}, {0.2, 0.3, 0.45, 0.6, 0.8, 1.0},
+        [&](uint32_t seed, double ratio) { return with_held(synthetic(6, seed, ratio), uneven); },
+        [&](const Planner& planner, const StepProfile& p, int64_t budget) {
+          const PlanResult got = planner.solve(budget);
+          const Best want = brute_force(p, budget);
+          if (got.feasible) {
+            ASSERT_TRUE(want.found);
+            EXPECT_LE(got.prediction.peak_bytes, budget);
+            if (!uneven) EXPECT_NEAR(objective_of(got), want.time, want.time * 1e-12);
+            ++feasible;
+          } else if (want.found) {
+            (uneven ? uneven_missed : missed) += 1;
           }
-        }
-      }
-    }
+        });
   }
   std::printf("held: %d plans, %d missed (%d where options hold unlike bytes)\n", feasible,
               missed, uneven_missed);
