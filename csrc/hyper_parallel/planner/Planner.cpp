@@ -277,11 +277,28 @@ PlanResult Planner::solve(int64_t budget, const std::vector<uint64_t>& allowed,
   PlanResult least = solve_charged(budget, allowed, host_budget, true);
   if (!least.feasible || least.prediction.peak_bytes <= budget) return least;
   PlanResult most = solve_charged(budget, allowed, host_budget, false);
+  const double bound = least.stats.lower_bound;  // the relaxation's optimum (NaN: none)
   most.stats.exact = false;
-  most.stats.lower_bound = std::isfinite(least.stats.lower_bound) && most.feasible
-                               ? std::min(least.stats.lower_bound, most.stats.objective)
+  most.stats.lower_bound = std::isfinite(bound) && most.feasible
+                               ? std::min(bound, most.stats.objective)
                                : std::numeric_limits<double>::quiet_NaN();
-  return most;
+  if (most.feasible) return most;
+  // Charging the most, nothing fits; a plan may still (the most is an upper bound). The
+  // relaxation again under budgets lowered by its plan's excess, each plan checked by
+  // evaluate(): otherwise a budget could be called infeasible while a smaller one, where
+  // the relaxation's plan happens to fit, is met (feasibility not monotone in the budget).
+  PlanResult cur = std::move(least);
+  int64_t target = budget;
+  for (int i = 0; i < kHeldRetries && cur.feasible && cur.prediction.peak_bytes > budget; ++i) {
+    target -= std::max<int64_t>(cur.prediction.peak_bytes - budget, quantum_);
+    if (target <= profile_.base_bytes) break;
+    cur = solve_charged(target, allowed, host_budget, true);
+  }
+  if (!cur.feasible || cur.prediction.peak_bytes > budget) return most;
+  cur.stats.exact = false;
+  cur.stats.lower_bound = std::isfinite(bound) ? std::min(bound, cur.stats.objective)
+                                               : std::numeric_limits<double>::quiet_NaN();
+  return cur;
 }
 
 PlanResult Planner::solve_charged(int64_t budget, const std::vector<uint64_t>& allowed,
@@ -315,6 +332,14 @@ PlanResult Planner::solve_charged(int64_t budget, const std::vector<uint64_t>& a
     return runs;
   }
   if (lowered_ok) return lowered;
+  if (least_held) {
+    // Over the budget by held bytes the relaxation did not charge: the plan of the smaller
+    // peak, which solve() checks and searches below.
+    const bool take_runs = runs.feasible && (!lowered.feasible ||
+                                             runs.prediction.peak_bytes <= lowered.prediction.peak_bytes);
+    if (take_runs) return runs;
+    if (lowered.feasible) return lowered;
+  }
   return PlanResult{};  // without least_held, cannot happen: both searches' plans fit
 }
 

@@ -61,8 +61,12 @@
 // the last layer's input). Where they differ (a module's buffer that only some strategies
 // save in the forward), solve() first searches charging the least (a relaxation): its plan
 // is the optimum when evaluate() finds it within the budget; otherwise the plan charging
-// the most is returned, marked not exact. min_peak() binary-searches solve() between the
-// two searches' least budgets.
+// the most is returned, marked not exact. When charging the most finds nothing, the
+// relaxation is searched again under budgets lowered by its plan's excess (at most
+// kHeldRetries times) and its first plan that evaluate() finds within the budget is
+// returned, not exact: without it a budget was refused while a smaller one was met (a
+// stack whose caller keeps every layer's output: 10 240 B met, 12 288-16 384 B refused).
+// min_peak() binary-searches solve() between the two searches' least budgets.
 //
 // Shared charge (CostModel.h): the search leaves it out (it would need the set of options
 // used so far in every label). solve() checks the plan with evaluate(), which counts it;
@@ -150,6 +154,8 @@ inline constexpr int64_t kExactLabelsPerLayer = 150;
 // The fallback's bins of kept bytes (budget / kFallbackBins) and labels per bin and phase.
 inline constexpr int64_t kFallbackBins = 96;
 inline constexpr int kFallbackPerBin = 3;
+// Lowered searches of the held-bytes relaxation when charging the most finds nothing.
+inline constexpr int kHeldRetries = 12;
 // The relaxation's bins of kept bytes (budget / kBoundBins), see relaxed_bound().
 inline constexpr int64_t kBoundBins = 512;
 

@@ -7,6 +7,7 @@ meets its budget as the library's meter measures it and trains like "none".
 
 import itertools
 import json
+import pathlib
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from hyper_parallel.core.activation_checkpoint import (
     saved_activation_memory,
 )
 from hyper_parallel.core.activation_checkpoint._planner import plan_from_profile, predict
+from hyper_parallel.core.activation_checkpoint._profile import ActivationProfile
 
 from ._models import Stack, applied_peak, assert_bitwise, grads, twin
 
@@ -543,3 +545,21 @@ def test_predict_models_the_engine_offload_window(profiled):
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="hyper_parallel: offload_window"):
             predict(prof, ["swap"] * 4, offload_window=bad)
+
+
+def test_feasibility_is_monotone_when_options_hold_unlike_bytes():
+    # A measured profile (4 blocks returning (out, aux), the caller keeping every layer's
+    # output through the backward: the layers' options hold unlike bytes). Charging each
+    # later layer its most held bytes found nothing between 12 288 and 16 384 B and at
+    # 20 480 B, while 10 240 B was met (by the relaxation's plan): the solver now searches
+    # the relaxation under lowered budgets and every budget from the least one up is met.
+    path = pathlib.Path(__file__).parent / "data" / "profile_outputs_held.json"
+    profile = ActivationProfile.from_dict(json.loads(path.read_text()))
+    n = len(profile.layer_names)
+    least = predict(profile, ["checkpoint"] * n, offload_window=0)["peak_bytes"]
+    for budget in range(least, least + 9 * 2048, 2048):
+        plan = profile.plan(budget)
+        assert plan.predicted_peak_bytes <= budget, budget
+        assert plan.predicted_peak_bytes == predict(
+            profile, [plan.strategies[name] for name in profile.layer_names],
+            offload_window=0)["peak_bytes"]
