@@ -229,6 +229,7 @@ struct ModuleCallConfig {
   std::vector<PyObject*> global_hooks;    // interned names of the four global hook dicts
   PyObject *compiled_call_impl, *forward, *modules, *prefix, *pool, *pool_native, *policy_fn,
       *group_swap, *nests, *call, *is_compiling_flag;
+  PyObject* wrapper_forward = nullptr;  // SwapWrapper.forward when the slot was installed
 };
 
 ModuleCallConfig* g_module_call = nullptr;
@@ -259,6 +260,8 @@ bool plain_module_call(PyObject* self, PyObject* dict, const ModuleCallConfig& c
   if (compiled == nullptr) compiled = _PyType_Lookup(Py_TYPE(self), c.compiled_call_impl);
   if (compiled != Py_None) return false;
   if (dict_item(dict, c.forward) != nullptr) return false;
+  // (a forward overridden by a subclass or patched on the class runs through __call__)
+  if (_PyType_Lookup(Py_TYPE(self), c.forward) != c.wrapper_forward) return false;
   for (PyObject* name : c.instance_hooks) {
     PyObject* hooks = dict_item(dict, name);
     if (hooks == nullptr || truthy(hooks)) return false;
@@ -350,6 +353,11 @@ bool install_swap_wrapper_call(const py::type& cls) {
     c->is_compiling_flag = interned("_is_compiling_flag");
     g_module_call = c;
   }
+  PyObject* forward = _PyType_Lookup(reinterpret_cast<PyTypeObject*>(cls.ptr()),
+                                     g_module_call->forward);
+  if (forward == nullptr) return false;
+  Py_INCREF(forward);  // (leaked on purpose, as the config is)
+  g_module_call->wrapper_forward = forward;
   reinterpret_cast<PyTypeObject*>(cls.ptr())->tp_call = &swap_wrapper_call;
   return true;
 }

@@ -275,10 +275,12 @@ class SwapWrapper(ActivationWrapper):
 
     def __call__(self, *args, **kwargs):
         # nn.Module.__call__'s own fast case (no module hook, not compiled, not traced, and
-        # forward not replaced on the instance) without its two Python frames (issue 17);
+        # forward not replaced on the instance, overridden by a subclass or patched on the
+        # class) without its two Python frames (issue 17);
         # every other case is nn.Module.__call__'s, which calls forward below.
         d = self.__dict__
         if (self._compiled_call_impl is None and "forward" not in d
+                and type(self).forward is _swap_wrapper_forward  # not overridden or patched
                 and not (d["_forward_pre_hooks"] or d["_forward_hooks"]
                          or d["_backward_pre_hooks"] or d["_backward_hooks"]
                          or _nn_module._global_forward_pre_hooks
@@ -401,6 +403,7 @@ _C.configure_swap_forward(_swap_forward_python, after_run_region, _warn_nested,
                           tuple(_BACKENDS), _recompute_state._tls, _tls, vars(_memory),
                           _LAYER_ATTR)
 _swap_forward = _C.swap_forward
+_swap_wrapper_forward = SwapWrapper.forward
 # `wrapper(x)` makes SwapWrapper.__call__'s fast-case decision in C++ (the type's call slot,
 # issue 17); the Python __call__ above stays for every other case and for dynamo.
 _C.install_swap_wrapper_call(SwapWrapper)

@@ -277,6 +277,23 @@ def test_swap_wrapper_call_slot_takes_the_no_hook_case_in_cpp(host_swap):
     sub = Sub(Layer())
     assert any(f.endswith("SwapWrapper.__call__") for f in _python_frames(lambda: sub(x)))
 
+    # A forward overridden by a subclass, or patched on the class, is what runs (the fast
+    # case had skipped it: found by the fresh-user tester).
+    class Doubling(type(wrapper)):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs) * 2
+
+    doubled = Doubling(Layer())
+    inner = doubled._checkpoint_wrapped_module
+    assert torch.equal(doubled(x), inner(x) * 2)
+    cls, original = type(wrapper), type(wrapper).forward
+    cls.forward = lambda self, *args, **kwargs: original(self, *args, **kwargs) + 1
+    try:
+        assert torch.equal(wrapper(x), layer(x) + 1)
+    finally:
+        cls.forward = original
+    assert torch.equal(wrapper(x), layer(x))
+
 
 class _FailingLayerAttr:
     """A callable whose schedule-node attribute is a property that fails (not an
