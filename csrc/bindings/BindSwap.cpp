@@ -321,7 +321,7 @@ PyObject* module_dict_entry(PyObject* dict, PyObject* key) {
 
 // `seen`: the modules walked so far (a submodule shared by two parents is walked once; a
 // transformer block has tens of modules, so a linear scan beats a hash set).
-void exclude_module_tree(SwapGroup& g, PyObject* module, std::vector<PyObject*>& seen,
+void exclude_module_tree(SwapGroup& g, PyObject* module, c10::SmallVectorImpl<PyObject*>& seen,
                          int depth) {
   for (PyObject* m : seen) {
     if (m == module) return;
@@ -356,8 +356,7 @@ void exclude_tensors(SwapGroup& group, const py::handle& tensors) {
 }
 
 void exclude_module_state(SwapGroup& group, const py::handle& module) {
-  std::vector<PyObject*> seen;
-  seen.reserve(32);
+  c10::SmallVector<PyObject*, 32> seen;  // (no allocation for a block's module tree)
   exclude_module_tree(group, module.ptr(), seen, 0);
 }
 

@@ -446,7 +446,7 @@ void SwapEngine::count_skipped(const std::shared_ptr<SwapGroup>& group, const at
 void SwapEngine::count_skipped_locked(SwapGroup* group, const void* key,
                                       size_t nbytes, SkipReason reason) {
   if (group != nullptr) {
-    if (!group->skipped_keys.insert(key).second) return;  // this storage was counted already
+    if (!group->skipped_keys.insert(key)) return;  // this storage was counted already
     group->skipped_bytes[static_cast<size_t>(reason)] += static_cast<int64_t>(nbytes);
     group->skipped_count[static_cast<size_t>(reason)] += 1;
   }

@@ -10,6 +10,7 @@
 // Thread-safety: guarded by the SwapEngine lock.
 
 #include "hyper_parallel/activation/HostBufferPool.h"
+#include "hyper_parallel/activation/PointerSet.h"
 #include "hyper_parallel/activation/StorageRecord.h"
 #include "hyper_parallel/activation/SwapStats.h"
 
@@ -19,7 +20,6 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 namespace hyper_parallel::activation {
@@ -54,7 +54,7 @@ class SwapGroup {
   // Host pool for the records this group adds (cpu_pool=); null: the engine's pool.
   std::shared_ptr<HostBufferPool> host_pool;
   // Storages never swapped for this invocation (the wrapped module's parameters/buffers).
-  std::unordered_set<const c10::StorageImpl*> excluded;
+  PointerSet excluded;
   // Handles for tensors registered explicitly (swap_tensor_wrapper); they count as
   // hyper_parallel's own references. They do not point back to the group.
   std::vector<std::shared_ptr<SavedHandle>> registrations;
@@ -63,7 +63,7 @@ class SwapGroup {
   // each storage once). `skipped_keys` dedupes.
   std::array<int64_t, kNumSkipReasons> skipped_bytes{};
   std::array<int64_t, kNumSkipReasons> skipped_count{};
-  std::unordered_set<const void*> skipped_keys;  // a storage, or a tensor without one
+  PointerSet skipped_keys;  // a storage, or a tensor without one
 
   bool forward_done = false;
   bool released = false;    // this invocation allows its records to leave the device
