@@ -85,18 +85,27 @@ bool is_module(const py::handle& obj) {
   return r == 1;
 }
 
+// dict[key] borrowed, or nullptr when absent (a lookup error propagates).
+PyObject* dict_item(PyObject* dict, PyObject* key) {
+  PyObject* value = PyDict_GetItemWithError(dict, key);
+  if (value == nullptr && PyErr_Occurred()) throw py::error_already_set();
+  return value;
+}
+
+bool truthy(PyObject* value) {
+  const int r = PyObject_IsTrue(value);
+  if (r < 0) throw py::error_already_set();
+  return r == 1;
+}
+
 // _swap_manager.layer_node(obj) for an existing node: a module's instance dict entry, any
 // other object's attribute (a bound method finds its function's). None when it has none.
 py::object layer_node(const py::handle& obj, const SwapCallConfig& c) {
   if (!is_module(obj)) return attr_or_none(obj, c.layer_attr);
   PyObject** slot = _PyObject_GetDictPtr(obj.ptr());
   if (slot == nullptr || *slot == nullptr) return py::none();
-  PyObject* node = PyDict_GetItemWithError(*slot, c.layer_attr.ptr());  // borrowed
-  if (node == nullptr) {
-    if (PyErr_Occurred()) throw py::error_already_set();
-    return py::none();
-  }
-  return py::reinterpret_borrow<py::object>(node);
+  PyObject* node = dict_item(*slot, c.layer_attr.ptr());
+  return node == nullptr ? py::none() : py::reinterpret_borrow<py::object>(node);
 }
 
 // _swap.region_name(fn) for an fn without a node: a module's class name, else the object's
@@ -122,9 +131,8 @@ bool another_framework_loaded(const SwapCallConfig& c) {
 PyObject* thread_list(const py::object& local, const py::object& key, bool create,
                       const SwapCallConfig& c) {
   py::object dict = local.attr(c.dict_attr);
-  PyObject* list = PyDict_GetItemWithError(dict.ptr(), key.ptr());
+  PyObject* list = dict_item(dict.ptr(), key.ptr());
   if (list == nullptr) {
-    if (PyErr_Occurred()) throw py::error_already_set();
     if (!create) return nullptr;
     py::list fresh;
     if (PyDict_SetItem(dict.ptr(), key.ptr(), fresh.ptr()) != 0) throw py::error_already_set();
@@ -136,18 +144,10 @@ PyObject* thread_list(const py::object& local, const py::object& key, bool creat
 // Whether Python must see the region's exit: a meter samples, or compiled autograd is on
 // (_region.after_run_region then attaches the backward start in Python).
 bool python_hooks_needed(const SwapCallConfig& c) {
-  PyObject* active = PyDict_GetItemWithError(c.memory_globals.ptr(), c.active_key.ptr());
-  if (active == nullptr && PyErr_Occurred()) throw py::error_already_set();
+  PyObject* active = dict_item(c.memory_globals.ptr(), c.active_key.ptr());
   if (active != nullptr && active != Py_None) return true;
-  PyObject* ca = PyDict_GetItemWithError(c.sys_modules.ptr(), c.compiled_autograd_module.ptr());
-  if (ca == nullptr) {
-    if (PyErr_Occurred()) throw py::error_already_set();
-    return false;
-  }
-  py::object on = attr_or_none(ca, c.compiled_autograd_flag);
-  const int truth = PyObject_IsTrue(on.ptr());
-  if (truth < 0) throw py::error_already_set();
-  return truth == 1;
+  PyObject* ca = dict_item(c.sys_modules.ptr(), c.compiled_autograd_module.ptr());
+  return ca != nullptr && truthy(attr_or_none(ca, c.compiled_autograd_flag).ptr());
 }
 
 py::object call_plain(const py::object& fn, const py::object& args, const py::object& kwargs) {
@@ -158,7 +158,8 @@ py::object call_plain(const py::object& fn, const py::object& args, const py::ob
 
 // One call of a swap wrapper: `owner` is the wrapper (the module wrapper, or the wrapping
 // function) whose schedule node places the call, `fn` what it wraps, called as
-// fn(*args, **kwargs); `state_module` the module whose parameters and buffers are never
+// fn(*args, **kwargs) (`kwargs` a dict, or None for no keywords: the call slot's case);
+// `state_module` the module whose parameters and buffers are never
 // swapped (None: none); `nest_check` keeps the thread's stack of running wrappers (and
 // warns about nesting) as ActivationWrapper._hp_call does.
 py::object swap_forward(const py::object& owner, const py::object& fn, const py::object& args,
@@ -166,7 +167,8 @@ py::object swap_forward(const py::object& owner, const py::object& fn, const py:
                         const py::object& pool, const py::object& state_module, bool nest_check) {
   const SwapCallConfig& c = config();
   auto slow = [&] {
-    return c.fallback(owner, fn, args, kwargs, policy_fn, group_swap, pool, state_module,
+    const py::object keywords = kwargs.is_none() ? py::object(py::dict()) : kwargs;
+    return c.fallback(owner, fn, args, keywords, policy_fn, group_swap, pool, state_module,
                       nest_check);
   };
   if (another_framework_loaded(c)) return slow();
@@ -240,19 +242,6 @@ PyObject* interned(const char* s) {
   return name;  // leaked on purpose, as the config is
 }
 
-// dict[key] borrowed, or nullptr when absent (a lookup error propagates).
-PyObject* dict_item(PyObject* dict, PyObject* key) {
-  PyObject* value = PyDict_GetItemWithError(dict, key);
-  if (value == nullptr && PyErr_Occurred()) throw py::error_already_set();
-  return value;
-}
-
-bool truthy(PyObject* value) {
-  const int r = PyObject_IsTrue(value);
-  if (r < 0) throw py::error_already_set();
-  return r == 1;
-}
-
 // True when every no-hook condition holds and every entry the fast case reads is there.
 bool plain_module_call(PyObject* self, PyObject* dict, const ModuleCallConfig& c) {
   // (nn.Module's class attribute None unless compile() set one on the instance)
@@ -297,7 +286,7 @@ py::object swap_wrapper_call_impl(PyObject* self, PyObject* args, PyObject* kwar
       return swap_forward(py::reinterpret_borrow<py::object>(self), inner_obj,
                           py::reinterpret_borrow<py::object>(args),
                           kwargs != nullptr ? py::reinterpret_borrow<py::object>(kwargs)
-                                            : py::object(py::dict()),
+                                            : py::none(),
                           py::reinterpret_borrow<py::object>(policy_fn), truthy(group_swap),
                           native, inner_obj, !truthy(nests));
     }
