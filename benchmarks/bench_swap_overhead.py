@@ -231,11 +231,19 @@ def count_child(args) -> None:
     close()
 
 
-def _instructions(args, lib: str, name: str, k: int) -> int:
-    """Instructions (all threads) of `args.steps` steps of contender `name` at k."""
+# Events read from a callgrind dump: instructions, and with --cache-sim its simulated
+# first-level instruction and data read misses and mispredicted conditional and indirect
+# branches (callgrind's I1mr, D1mr, Bcm, Bim).
+_EVENTS = ("Ir", "I1mr", "D1mr", "Bcm", "Bim")
+
+
+def _instructions(args, lib: str, name: str, k: int) -> dict:
+    """Events (all threads) of `args.steps` steps of contender `name` at k: {"Ir": n, ...},
+    the miss and mispredict counts too with --cache-sim."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "callgrind.out")
-        cmd = _CALLGRIND + [f"--callgrind-out-file={out}", sys.executable,
+        sim = ["--cache-sim=yes", "--branch-sim=yes"] if args.cache_sim else []
+        cmd = _CALLGRIND + sim + [f"--callgrind-out-file={out}", sys.executable,
                             os.path.abspath(__file__), "--count-child", name, "--count-lib",
                             lib, "--ks", str(k),
                             "--steps", str(args.steps), "--warmup-steps",
@@ -247,17 +255,22 @@ def _instructions(args, lib: str, name: str, k: int) -> int:
         if done.returncode != 0:
             raise RuntimeError(f"bench_swap_overhead: the callgrind child for {name} at k = {k} "
                                f"failed:\n{done.stderr[-2000:]}")
-        total = 0
+        totals: dict = {}
         for part in os.listdir(tmp):  # the dump of the counted steps: callgrind.out.1
             if part.startswith("callgrind.out.") and part.rsplit(".", 1)[1].isdigit():
                 with open(os.path.join(tmp, part)) as f:
+                    names: list = []
                     for line in f:
-                        if line.startswith(("summary:", "totals:")):
-                            total = max(total, int(line.split()[1]))
-    if total == 0:
+                        if line.startswith("events:"):
+                            names = line.split()[1:]
+                        elif line.startswith("summary:") and names:
+                            values = dict(zip(names, (int(v) for v in line.split()[1:])))
+                            if values.get("Ir", 0) > totals.get("Ir", 0):
+                                totals = values
+    if totals.get("Ir", 0) == 0:
         raise RuntimeError("bench_swap_overhead: callgrind counted nothing (were the client "
                            "requests seen?); use the timed mode.")
-    return total
+    return {e: totals[e] for e in _EVENTS if e in totals}
 
 
 def run_instructions(args) -> dict:
@@ -272,7 +285,8 @@ def run_instructions(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp, \
             concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         lib = _build_toggle(tmp)
-        counts = dict(zip(jobs, pool.map(lambda j: _instructions(args, lib, *j), jobs)))
+        events = dict(zip(jobs, pool.map(lambda j: _instructions(args, lib, *j), jobs)))
+    counts = {j: e["Ir"] for j, e in events.items()}
     per_layer = {(n, k): (counts[(n, k)] - counts[("none", k)]) / (args.steps * args.layers)
                  for n, k in jobs}
     rows = [[k, f"{counts[('none', k)] / args.steps / 1e3:.0f}",
@@ -294,13 +308,31 @@ def run_instructions(args) -> dict:
     ratio = per_layer[("ours swap", k2)] / per_layer[("save_on_cpu", k2)]
     print(f"ours / save_on_cpu host instructions at {k2} tensors per layer: {ratio:.2f} "
           f"({'<=' if ratio <= 1.0 else '>'} 1.0)")
+    misses = {}
+    if args.cache_sim:
+        # What a count of instructions does not see: the same work can run slower when its
+        # code and data are not in the first-level caches (32 KiB each on the simulated
+        # machine, callgrind's model of the host's) or its branches are mispredicted.
+        rows = []
+        for k in ks:
+            for n in ("save_on_cpu", "ours swap"):
+                per = {e: (events[(n, k)].get(e, 0) - events[("none", k)].get(e, 0))
+                       / (args.steps * args.layers) for e in _EVENTS}
+                misses[f"{n} k={k}"] = per
+                rows.append([k, n] + [f"{per[e]:.0f}" for e in _EVENTS])
+        print(table(["k tensors/layer", "contender", "instructions", "I1 misses",
+                     "D1 read misses", "cond. mispredicts", "indirect mispredicts"], rows,
+                    title="\n## Per layer over none (callgrind --cache-sim --branch-sim)"))
     return {"instructions_per_layer": {f"{n} k={k}": v for (n, k), v in per_layer.items()},
-            "fits": fits, "ratio_k2": ratio}
+            "fits": fits, "ratio_k2": ratio, "misses_per_layer": misses}
 
 
 def run(args) -> dict:
     if args.count_child:
         return count_child(args)
+    if args.cache_sim and not args.instructions:
+        raise SystemExit("bench_swap_overhead: --cache-sim is a part of --instructions; "
+                         "pass both.")
     if args.instructions:
         return run_instructions(args)
     manager = SwapManager()
@@ -374,6 +406,10 @@ def add_args(p) -> None:
                    help="count instructions under callgrind (valgrind) instead of timing: "
                         "one child process per contender and k, a count the machine's load "
                         "does not move (--steps steps each, default 20)")
+    p.add_argument("--cache-sim", action="store_true",
+                   help="with --instructions: also simulate the caches and branch predictor "
+                        "and print first-level misses and mispredicts per layer over none "
+                        "(slower)")
     p.add_argument("--count-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--count-lib", default=None, help=argparse.SUPPRESS)
 
