@@ -81,6 +81,14 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     return next_shared == nullptr || a == b || b < 0 ? 0 : (*next_shared)[static_cast<size_t>(b)];
   };
   std::vector<Front> front;
+  // Bounds over the front that spare most scans, the results unchanged (labels come in
+  // kept order, so a new one usually holds more than every front entry and is faster
+  // than all of them): when the front's least time (time + backlog for entries past
+  // `linear`) is above what could dominate the label, no entry does; when the label holds
+  // more than `most_held`, it dominates no entry. Entries leave the front without
+  // updating them, so they are bounds: a scan they allow may find nothing.
+  double least_time = kInf, least_time_backlog = kInf;
+  int64_t most_held = std::numeric_limits<int64_t>::min();
   size_t out = 0;
   int same_kept = 0;
   for (size_t i = 0; i < labels.size(); ++i) {
@@ -89,13 +97,20 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     if (i == 0 || l.phase != labels[i - 1].phase ||
         (by_code && l.code != labels[i - 1].code)) {
       front.clear();
+      least_time = least_time_backlog = kInf;
+      most_held = std::numeric_limits<int64_t>::min();
       same_kept = 0;
     } else if (l.kept != labels[i - 1].kept) {
       same_kept = 0;
     }
     if (per_kept > 0 && same_kept >= per_kept) continue;
+    // The least f.time + extra over the front (extra >= 0 unless both backlogs are past
+    // `linear`, where it is f.backlog - l.backlog).
+    const double reach =
+        l.backlog >= linear ? std::min(least_time, least_time_backlog - l.backlog) : least_time;
     bool dominated = false;
-    for (const Front& f : front) {
+    for (size_t j = 0; reach <= l.time + eps && j < front.size(); ++j) {
+      const Front& f = front[j];
       const double extra = f.backlog >= linear && l.backlog >= linear
                                ? f.backlog - l.backlog
                                : std::max(0.0, f.backlog - l.backlog);
@@ -109,19 +124,24 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     if (dominated) continue;
     // A front entry that l dominates is no longer needed to judge later labels (they
     // have at least l's kept bytes, and dominance is transitive).
-    front.erase(std::remove_if(front.begin(), front.end(),
-                               [&](const Front& f) {
-                                 const double extra =
-                                     f.backlog >= linear && l.backlog >= linear
-                                         ? l.backlog - f.backlog
-                                         : std::max(0.0, l.backlog - f.backlog);
-                                 return l.host <= f.host && off <= f.off &&
-                                        l.kept + l.pending + run_charge(l.option, f.option) <=
-                                            f.held &&
-                                        l.time + extra <= f.time;
-                               }),
-                front.end());
+    if (l.kept + l.pending <= most_held) {
+      front.erase(std::remove_if(front.begin(), front.end(),
+                                 [&](const Front& f) {
+                                   const double extra =
+                                       f.backlog >= linear && l.backlog >= linear
+                                           ? l.backlog - f.backlog
+                                           : std::max(0.0, l.backlog - f.backlog);
+                                   return l.host <= f.host && off <= f.off &&
+                                          l.kept + l.pending + run_charge(l.option, f.option) <=
+                                              f.held &&
+                                          l.time + extra <= f.time;
+                                 }),
+                  front.end());
+    }
     front.push_back(Front{l.host, off, l.kept + l.pending, l.time, l.backlog, l.option});
+    least_time = std::min(least_time, l.time);
+    if (l.backlog >= linear) least_time_backlog = std::min(least_time_backlog, l.time + l.backlog);
+    most_held = std::max(most_held, l.kept + l.pending);
     ++same_kept;
     labels[out++] = l;
   }
@@ -304,34 +324,49 @@ PlanResult Planner::solve(int64_t budget, const std::vector<uint64_t>& allowed,
 PlanResult Planner::solve_charged(int64_t budget, const std::vector<uint64_t>& allowed,
                                   int64_t host_budget, bool least_held) const {
   // The search leaves the shared charge out (Planner.h); evaluate() counts it. A plan over
-  // the budget is searched again charging every run's first layer (an upper bound of the
-  // charge: every plan found fits), and under the budget less the most any plan can be
-  // charged (every plan found fits too); the faster of the two.
+  // the budget is searched again under the budget less the most any plan can be charged
+  // (every plan found fits), and, unless the uncharged search's bound proves that plan
+  // optimal, charging every run's first layer (every plan found fits too); the faster.
   PlanResult r = solve_uncharged(budget, allowed, host_budget, least_held);
   // (With the least held bytes a plan may be over the budget for that reason alone: it
   // goes through the searches below, and solve() checks what comes back.)
   if (!r.feasible || r.prediction.peak_bytes <= budget) return r;
+  // The uncharged search is a relaxation of the charged problem (its feasible set is a
+  // superset): a lower bound of its own optimum bounds the charged optimum too.
+  const double bound = r.stats.lower_bound;
   const std::vector<uint64_t> m = masks(allowed);
+  PlanResult lowered = solve_uncharged(budget - max_shared_charge(m), allowed, host_budget,
+                                       least_held);
+  const bool lowered_ok = lowered.feasible && lowered.prediction.peak_bytes <= budget;
+  lowered.stats.exact = false;
+  lowered.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
+  if (lowered_ok && std::isfinite(bound) && lowered.stats.objective <= bound * (1.0 + kChargeGap)) {
+    // Typical: the charge (a mask's bytes) is small against the budget, and losing that
+    // much budget costs little or no time. Within kChargeGap of the bound (optimal when
+    // equal to it), the run-charge search, whose weaker dominance makes its fronts wider
+    // and costs several times the two searches above, is not run.
+    lowered.stats.exact = lowered.stats.objective <= bound * (1.0 + 1e-12);
+    lowered.stats.lower_bound = std::min(bound, lowered.stats.objective);
+    return lowered;
+  }
   PlanResult runs = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels,
                            0, false, 0, kExactLabelsPerLayer, true, least_held);
   if (runs.stats.overflowed) {
     const int64_t bucket = std::max<int64_t>(1, (budget - profile_.base_bytes) / kFallbackBins);
     runs = search(budget, host_budget, m, false, quantum_, tolerance_, -1, kFallbackPerBin, false,
                   bucket, 0, true, least_held);
-    runs.stats.exact = false;
   }
+  runs.stats.exact = false;
   runs.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
-  PlanResult lowered = solve_uncharged(budget - max_shared_charge(m), allowed, host_budget,
-                                       least_held);
-  lowered.stats.exact = false;
-  lowered.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
   const bool runs_ok = runs.feasible && runs.prediction.peak_bytes <= budget;
-  const bool lowered_ok = lowered.feasible && lowered.prediction.peak_bytes <= budget;
+  auto bounded = [bound](PlanResult x) {
+    if (std::isfinite(bound)) x.stats.lower_bound = std::min(bound, x.stats.objective);
+    return x;
+  };
   if (runs_ok && (!lowered_ok || runs.prediction.step_seconds <= lowered.prediction.step_seconds)) {
-    runs.stats.exact = false;
-    return runs;
+    return bounded(std::move(runs));
   }
-  if (lowered_ok) return lowered;
+  if (lowered_ok) return bounded(std::move(lowered));
   if (least_held) {
     // Over the budget by held bytes the relaxation did not charge: the plan of the smaller
     // peak, which solve() checks and searches below.
