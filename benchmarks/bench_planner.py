@@ -13,7 +13,10 @@ meets the budget, measured the same way: every uniform strategy, "mixed", and
 ``--random`` random per-layer assignments (seeded). Timing: ``--rounds`` rounds, in each
 of which every plan (hand and planner) is applied in turn and runs one warm-up and
 ``--steps`` timed steps; a plan's step time is the median of all its timed steps, so
-drift of a shared machine hits all plans alike. Every measured plan is also predicted by
+drift of a shared machine hits all plans alike. On the CPU (Linux) steps are timed, as the
+profiler times layers, on the wall clock less the time the training thread waited,
+runnable, for a CPU that another process held (``_clock.unpreempted_clock``): on a shared
+2-core machine that wait was most of the step-to-step spread. Every measured plan is also predicted by
 the cost model (prediction error of peak and step time). The load average is printed
 before and after each block. Then the solver alone: the profile's layers tiled to 10, 50,
 100 and 200 layers, solved at 40 % of the predicted "none" peak (milliseconds, labels).
@@ -55,6 +58,8 @@ from hyper_parallel.core.activation_checkpoint import (  # noqa: E402
 from hyper_parallel._extension import _C  # noqa: E402
 from hyper_parallel.core.activation_checkpoint._planner import (  # noqa: E402
     _cpp_profile, plan_from_profile, predict)
+from hyper_parallel.core.activation_checkpoint._clock import (  # noqa: E402
+    step_clock, unpreempted_available)
 from hyper_parallel.core.activation_checkpoint._profile import (  # noqa: E402
     ActivationProfile,
     CopyLink,
@@ -77,15 +82,16 @@ def measure_once(model, step, plan, device, steps: int) -> tuple[int, list[float
     apply_activation_memory(model, plan)
     try:
         times, peak = [], 0
+        clock = step_clock(device)  # what the profile times with
         for i in range(steps + 1):
             _sync(device)
-            t0 = time.perf_counter()
+            t0 = clock()
             with saved_activation_memory() as meter:
                 step()
             _sync(device)
             manager.synchronize()
             if i > 0:
-                times.append(time.perf_counter() - t0)
+                times.append(clock() - t0)
             peak = max(peak, meter.peak_bytes)
             for p in model.parameters():
                 p.grad = None
@@ -227,6 +233,9 @@ def run(args) -> dict:
         torch.accelerator.current_accelerator() if torch.accelerator.is_available() else "cpu"))
     set_threads(args.threads)
     print_facts(machine_facts(device.type))
+    print("step clock: " + ("wall less the training thread's run-queue wait (schedstat)"
+                            if device.type == "cpu" and unpreempted_available()
+                            else "wall (perf_counter)"))
     config = build_config(layers=args.layers, hidden=args.hidden, heads=args.heads,
                           seq_len=args.seq, attn="eager")
     model = build_model(config, seed=0).to(device)

@@ -39,7 +39,9 @@ cost model of ``csrc/hyper_parallel/planner/CostModel.h`` needs:
   predicted, 4096 B measured);
 * ``forward_seconds`` / ``backward_seconds``: wall time between hooks (the backward from
   the gradient of the layer's output to that of its input), minus the time the engine
-  reports it stalled on reloads there; on an accelerator each hook synchronizes.
+  reports it stalled on reloads there; on an accelerator each hook synchronizes. On the
+  CPU the clock leaves out the time the thread waited, runnable, for a CPU that another
+  process held (``_clock.unpreempted_clock``; the step times too).
 
 and, outside the layers: the bytes saved before the first layer (held all step), those
 saved after the last one (the head and loss, freed before the layers' backward, except
@@ -68,6 +70,7 @@ from torch import nn
 
 from ._apply import (STRATEGIES, apply_activation_memory, remove_activation_memory,
                      suspended_application)
+from ._clock import step_clock
 from ._layers import resolve_layer_slots
 from ._memory import saved_activation_memory
 from ._swap_manager import SwapManager
@@ -253,6 +256,9 @@ class _StepProbe:
         n = len(modules)
         self.n = n
         self.device = device
+        # wall time less run-queue waits on the CPU (_clock.py): preemption by other
+        # processes is not the layer's cost
+        self.clock = step_clock(device)
         self.meter = None
         self.fwd_start = [0.0] * n
         self.fwd_end = [0.0] * n
@@ -307,7 +313,7 @@ class _StepProbe:
             x = _first_tensor(args, kwargs)
             if x is not None and x.requires_grad:
                 x.register_hook(self._grad_in(k))
-            self.fwd_start[k] = time.perf_counter()
+            self.fwd_start[k] = self.clock()
         return hook
 
     def _post(self, k):
@@ -321,7 +327,7 @@ class _StepProbe:
                     self._went_live(k)
                 return None
             _sync(self.device)
-            self.fwd_end[k] = time.perf_counter()
+            self.fwd_end[k] = self.clock()
             stats = self._stats()
             self.off_after[k] = stats["offload_bytes"]
             self.mem_after[k] = self.meter.sample() if self.meter is not None else 0
@@ -351,7 +357,7 @@ class _StepProbe:
         def hook(grad):
             _sync(self.device)
             self.live[k] = max(0, self.live[k] - 1)
-            self.bwd_start[k] = time.perf_counter()
+            self.bwd_start[k] = self.clock()
             self.stall_start[k] = self._stats()["stall_seconds"]
             if k == self.n - 1 and self.meter is not None:
                 self.meter.sample()
@@ -374,7 +380,7 @@ class _StepProbe:
     def _grad_in(self, k):
         def hook(grad):
             _sync(self.device)
-            self.bwd_end[k] = time.perf_counter()
+            self.bwd_end[k] = self.clock()
             self.stall_end[k] = self._stats()["stall_seconds"]
         return hook
 
@@ -390,12 +396,12 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
     probe = _StepProbe(modules, device)
     try:
         _sync(device)
-        start = time.perf_counter()
+        start = probe.clock()
         with saved_activation_memory() as meter:
             probe.meter = meter
             step_fn()
             _sync(device)
-        end = time.perf_counter()
+        end = probe.clock()
         peak = meter.peak_bytes
         # The head's own peak: the meter's when the layers' backward begins less what the
         # engine reloaded since the forward ended (the prefetch that the backward's start
@@ -879,7 +885,8 @@ def measure_plan(model: nn.Module, step_fn: Callable[[], object], plan, *,
     """Runs ``step_fn`` ``steps`` times (default 2: the first teaches the engine which
     layer ends the prefetch chain) with ``plan`` applied and measures the last step:
     ``{"peak_bytes": int, "step_seconds": float}``, the peak of saved activations as
-    :func:`saved_activation_memory` counts it and the step's wall time. The model is left
+    :func:`saved_activation_memory` counts it and the step's wall time (on the CPU less
+    the time the thread waited for a CPU another process held: ``_clock``). The model is left
     as :func:`profile_activation_memory` leaves it (gradients, buffers, random number
     generators, the user's own application).
 

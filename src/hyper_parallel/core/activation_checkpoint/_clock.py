@@ -1,0 +1,81 @@
+"""The profiler's clock: wall time the calling thread was not kept off the CPU.
+
+On a CPU device every layer's compute runs on the thread that calls it, so when another
+process takes that thread's core the layer's wall time grows by however long the thread
+waited, runnable, for a CPU. Measured on a shared 2-core machine (load average about 2,
+8-layer Llama step, 24 steps per strategy): the wall time of one step varied with a
+coefficient of variation of 25-32 %; less the thread's run-queue wait, 7-10 %
+(docs/benchmarks.md, "Planner"). The planner picks per layer whatever was measured
+fastest, so such noise becomes plan error.
+
+``unpreempted_clock()`` is ``time.perf_counter()`` less the calling thread's total
+run-queue wait, read from Linux's per-thread scheduler statistics
+(``/proc/thread-self/schedstat``: time on a CPU, time waiting on a run queue, timeslices,
+in nanoseconds; see the kernel's Documentation/scheduler/sched-stats.rst). Differences of
+two readings on the same thread are seconds the thread ran or waited for something
+other than a CPU (a lock, a copy, the device). Where the file is missing (not Linux, a
+kernel without scheduler statistics) it is ``time.perf_counter()``.
+
+On an accelerator the device runs on while the host thread waits for a CPU, so
+``step_clock`` gives the plain wall clock there: subtracting the wait would under-count
+a step that the device, not the host, paces.
+
+Thread-safety: each thread reads its own statistics through a file it opens once (kept in
+a ``threading.local``, closed when the thread ends). A reading costs about 2.5 us.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable
+
+import torch
+
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+_local = threading.local()
+_available: bool | None = None
+
+
+def _run_queue_wait_s() -> float | None:
+    """Seconds the calling thread has waited, runnable, for a CPU since it started; None
+    where the kernel does not say."""
+    f = getattr(_local, "schedstat", None)
+    if f is None:
+        try:
+            f = open(_SCHEDSTAT, "rb", buffering=0)
+        except OSError:
+            return None
+        _local.schedstat = f
+    try:
+        fields = os.pread(f.fileno(), 96, 0).split()
+        return int(fields[1]) * 1e-9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def unpreempted_available() -> bool:
+    """Whether this kernel gives the run-queue wait (else the clock is the wall clock)."""
+    global _available
+    if _available is None:
+        _available = _run_queue_wait_s() is not None
+    return _available
+
+
+def unpreempted_clock() -> float:
+    """Seconds, monotonic per thread: ``time.perf_counter()`` less the calling thread's
+    run-queue wait. Only differences of readings on the same thread mean anything."""
+    now = time.perf_counter()
+    if not unpreempted_available():
+        return now
+    wait = _run_queue_wait_s()
+    return now if wait is None else now - wait
+
+
+def step_clock(device: torch.device) -> Callable[[], float]:
+    """The clock to time a step's host-paced parts on ``device`` with: the unpreempted
+    clock on the CPU (where it is available), ``time.perf_counter`` elsewhere."""
+    if torch.device(device).type == "cpu" and unpreempted_available():
+        return unpreempted_clock
+    return time.perf_counter

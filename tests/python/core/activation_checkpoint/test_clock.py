@@ -1,0 +1,104 @@
+"""The profiler's clock (_clock.py): wall time less the thread's run-queue wait."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from hyper_parallel.core.activation_checkpoint import _clock
+from hyper_parallel.core.activation_checkpoint._clock import (step_clock, unpreempted_available,
+                                                              unpreempted_clock)
+
+needs_schedstat = pytest.mark.skipif(
+    not unpreempted_available() or not hasattr(os, "sched_setaffinity"),
+    reason="needs Linux scheduler statistics and CPU affinity")
+
+
+def _spin(cpu_seconds: float) -> None:
+    end = time.thread_time() + cpu_seconds
+    x = 0
+    while time.thread_time() < end:
+        x += 1
+
+
+def test_the_clock_is_monotonic_and_never_ahead_of_the_wall_clock():
+    w0 = time.perf_counter()
+    c0 = last = unpreempted_clock()
+    for _ in range(2000):
+        now = unpreempted_clock()
+        assert now >= last
+        last = now
+    assert last - c0 <= time.perf_counter() - w0
+
+
+@needs_schedstat
+def test_time_another_process_holds_the_cpu_is_left_out():
+    """This process and a busy child share one CPU: the wall time of 0.3 s of this thread's
+    CPU time is about twice that, the unpreempted clock's about the CPU time."""
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(child.pid, {cpu})
+        time.sleep(0.05)  # the child runs
+        w0, c0, t0 = time.perf_counter(), unpreempted_clock(), time.thread_time()
+        _spin(0.3)
+        wall = time.perf_counter() - w0
+        clock = unpreempted_clock() - c0
+        cpu_time = time.thread_time() - t0
+    finally:
+        child.kill()
+        child.wait()
+        os.sched_setaffinity(0, before)
+    assert wall > 1.5 * cpu_time, (wall, cpu_time)  # the child did take the CPU
+    assert clock < 0.75 * wall, (clock, wall)
+    assert clock == pytest.approx(cpu_time, rel=0.2), (clock, cpu_time)
+
+
+@needs_schedstat
+def test_waiting_for_something_else_than_a_cpu_is_counted():
+    """A sleep, a lock or a copy the thread waits on are the step's time: only the wait for a
+    CPU is left out."""
+    c0 = unpreempted_clock()
+    time.sleep(0.05)
+    assert unpreempted_clock() - c0 >= 0.045
+
+
+def test_each_thread_reads_its_own_statistics():
+    got = {}
+
+    def worker():
+        c0 = unpreempted_clock()
+        time.sleep(0.02)
+        got["elapsed"] = unpreempted_clock() - c0
+        got["file"] = getattr(_clock._local, "schedstat", None)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert got["elapsed"] >= 0.015
+    mine = getattr(_clock._local, "schedstat", None)
+    if unpreempted_available():
+        assert got["file"] is not None and got["file"] is not mine
+
+
+def test_step_clock_is_the_wall_clock_off_the_cpu():
+    assert step_clock(torch.device("meta")) is time.perf_counter
+    expected = unpreempted_clock if unpreempted_available() else time.perf_counter
+    assert step_clock(torch.device("cpu")) is expected
+    assert step_clock("cpu") is expected
+
+
+def test_without_scheduler_statistics_it_is_the_wall_clock(monkeypatch):
+    monkeypatch.setattr(_clock, "_SCHEDSTAT", "/nonexistent/schedstat")
+    monkeypatch.setattr(_clock, "_available", None)
+    monkeypatch.setattr(_clock, "_local", threading.local())
+    assert not _clock.unpreempted_available()
+    assert _clock.step_clock("cpu") is time.perf_counter
+    w = time.perf_counter()
+    assert abs(_clock.unpreempted_clock() - w) < 0.1
