@@ -192,6 +192,43 @@ csrc/hyper_parallel/activation/SacCache.h.)doc")
            },
            "Demotes to 'recompute' the cached entries modified in place during the forward; "
            "returns [(op name, call index, requested policy)] of those.")
+      .def("before_write",
+           [](SacCache& c, const py::handle& target) {
+             // A tensor, or a sequence of them (an op's written argument).
+             PyObject* p = target.ptr();
+             if (THPVariable_Check(p)) {
+               c.before_write(THPVariable_Unpack(p));
+             } else if (PyTuple_Check(p) || PyList_Check(p)) {
+               const Py_ssize_t n = PySequence_Fast_GET_SIZE(p);
+               PyObject** items = PySequence_Fast_ITEMS(p);
+               for (Py_ssize_t i = 0; i < n; ++i) {
+                 if (THPVariable_Check(items[i])) c.before_write(THPVariable_Unpack(items[i]));
+               }
+             }
+           },
+           py::arg("target"),
+           "An op of the region's forward is about to write `target` (a tensor or a sequence "
+           "of them): a cached output sharing its storage is demoted by end_forward().")
+      .def("watch",
+           [](SacCache& c, const py::handle& out) {
+             // The tensors of an op's output (a tensor, or a tuple / list of them).
+             std::vector<c10::IValue> values;
+             PyObject* p = out.ptr();
+             auto add = [&values](PyObject* o) {
+               if (THPVariable_Check(o)) values.emplace_back(THPVariable_Unpack(o));
+             };
+             if (PyTuple_Check(p) || PyList_Check(p)) {
+               const Py_ssize_t n = PySequence_Fast_GET_SIZE(p);
+               PyObject** items = PySequence_Fast_ITEMS(p);
+               for (Py_ssize_t i = 0; i < n; ++i) add(items[i]);
+             } else {
+               add(p);
+             }
+             if (!values.empty()) c.watch(values);
+           },
+           py::arg("output"),
+           "An op of the region's forward returned `output`: its tensors that share a cached "
+           "output's storage through another version counter are watched (SacCache.h).")
       .def("begin_recompute", &SacCache::begin_recompute)
       .def("replay",
            [](SacCache& c, int64_t op_key) -> py::object {

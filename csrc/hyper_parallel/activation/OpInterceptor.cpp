@@ -269,8 +269,20 @@ void SacRegion::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
 
 void SacRegion::forward(const c10::OperatorHandle& op, const OpFacts& facts,
                         c10::DispatchKeySet ks, torch::jit::Stack* stack, size_t level) {
+  // Writes to a cached output's storage through a tensor with another version counter
+  // (SacCache::before_write / watch; aten::_unsafe_view's outputs), excluded part or not.
+  const auto& args_schema = op.schema().arguments();
+  for (int i : facts.writes) {
+    const c10::IValue& v = torch::jit::peek(*stack, static_cast<size_t>(i), args_schema.size());
+    if (v.isTensor()) {
+      cache_->before_write(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) cache_->before_write(t);
+    }
+  }
   if (excluding_ > 0) {  // inside a checkpoint_exclude_wrapper: not replayed
     run_next(op, ks, stack, level);
+    cache_->watch(torch::jit::last(*stack, op.schema().returns().size()));
     return;
   }
   ++intercepted_;
@@ -305,6 +317,7 @@ void SacRegion::forward(const c10::OperatorHandle& op, const OpFacts& facts,
   if (rng && !rng->after()) rng.reset();
   const auto outs = torch::jit::last(*stack, schema.returns().size());
   external_.forward_outputs(outs);
+  cache_->watch(outs);
   if (facts.kind != OpKind::kPlain || weight_cast) return;
   if (is_recompute(policy)) {
     cache_->record(facts.key, policy, {}, OutputKind::kSingle, nullptr);

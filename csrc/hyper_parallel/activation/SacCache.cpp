@@ -56,18 +56,77 @@ int64_t SacCache::record(int64_t op_key, CheckpointPolicy policy,
   if (entry.state == State::kCached) ++cached_calls_[op_key];
   auto& calls = entries_[op_key];
   calls.push_back(std::move(entry));
-  return static_cast<int64_t>(calls.size()) - 1;
+  const int64_t index = static_cast<int64_t>(calls.size()) - 1;
+  if (!forward_over_ && calls.back().state == State::kCached) {
+    for (const auto& slot : calls.back().slots) {
+      const at::Tensor* t = slot.handle ? &slot.handle->alias()
+                            : slot.value.isTensor() ? &slot.value.toTensor() : nullptr;
+      if (t == nullptr || !t->defined() || !t->has_storage()) continue;
+      auto& holders = storages_[t->storage().unsafeGetStorageImpl()];
+      if (holders.empty() || holders.back() != std::make_pair(op_key, index)) {
+        holders.emplace_back(op_key, index);
+      }
+    }
+  }
+  return index;
+}
+
+template <class F>
+void SacCache::for_entries_of(const at::Tensor& t, F&& f) {
+  if (forward_over_ || storages_.empty() || !t.defined() || !t.has_storage()) return;
+  const auto it = storages_.find(t.storage().unsafeGetStorageImpl());
+  if (it == storages_.end()) return;
+  for (const auto& [op, call] : it->second) {
+    Entry& e = entries_[static_cast<size_t>(op)][static_cast<size_t>(call)];
+    if (e.state == State::kCached) f(e);
+  }
+}
+
+void SacCache::before_write(const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for_entries_of(t, [](Entry& e) { e.written = true; });
+}
+
+void SacCache::watch(c10::ArrayRef<c10::IValue> outputs) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (forward_over_ || storages_.empty()) return;
+  auto one = [this](const at::Tensor& t) {
+    for_entries_of(t, [&t](Entry& e) {
+      const c10::VariableVersion& counter = t.unsafeGetTensorImpl()->version_counter();
+      e.watches.push_back(Watch{counter, counter.current_version()});
+    });
+  };
+  for (const auto& v : outputs) {
+    if (v.isTensor()) {
+      one(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) one(t);
+    } else if (v.isList()) {
+      for (const c10::IValue& u : v.toListRef()) {
+        if (u.isTensor()) one(u.toTensor());
+      }
+    }
+  }
+}
+
+bool SacCache::watched_write(const Entry& e) {
+  for (const Watch& w : e.watches) {
+    if (w.counter.current_version() != w.version) return true;
+  }
+  return false;
 }
 
 std::vector<SacCache::Demoted> SacCache::end_forward() {
   std::lock_guard<std::mutex> lock(mu_);
+  forward_over_ = true;
+  storages_.clear();
   std::vector<Demoted> out;
   for (size_t op = 0; op < entries_.size(); ++op) {
     auto& calls = entries_[op];
     for (size_t i = 0; i < calls.size(); ++i) {
       Entry& e = calls[i];
       if (e.state != State::kCached) continue;
-      bool mutated = false;
+      bool mutated = e.written || watched_write(e);
       for (const auto& slot : e.slots) {
         if (slot.handle) {
           mutated |= slot.handle->alias()._version() != slot.handle->saved_version();
@@ -77,6 +136,7 @@ std::vector<SacCache::Demoted> SacCache::end_forward() {
       }
       if (!mutated) continue;
       e.slots.clear();
+      e.watches.clear();
       e.rng.reset();  // replayed: the op draws again
       e.state = State::kRecompute;
       --cached_calls_[op];
@@ -116,6 +176,18 @@ SacCache::Replay SacCache::replay(int64_t op_key, bool retain) {
            "retain_graph=True to the first backward.");
   out.recompute = false;
   out.outputs.reserve(entry.slots.size());
+  // A write after the forward through a tensor sharing the storage but not the version
+  // counter (aten::_unsafe_view's output): the cached value is stale as much as if the
+  // cached tensor itself had been written.
+  bool swapped = false;
+  for (const auto& slot : entry.slots) swapped |= slot.handle != nullptr;
+  HP_CHECK((allow_mutation_ && !swapped) || !watched_write(entry), "the output of ",
+           OpNames::name(op_key), " (call #", index, ") that selective checkpoint cached was "
+           "modified in place after the region's forward through a tensor sharing its memory "
+           "(made by aten::_unsafe_view or the like, e.g. the result of torch.matmul), so "
+           "backward would read a stale value. Clone that tensor before the in-place op, or "
+           "let the policy recompute this op (PREFER_RECOMPUTE)",
+           swapped ? "." : ", or pass allow_cache_entry_mutation=True to use the modified value.");
   for (const auto& slot : entry.slots) {
     if (slot.handle) {
       const at::Tensor& alias = slot.handle->alias();
@@ -144,6 +216,8 @@ SacCache::Replay SacCache::replay(int64_t op_key, bool retain) {
   if (!retain) {
     entry.slots.clear();
     entry.slots.shrink_to_fit();
+    entry.watches.clear();
+    entry.watches.shrink_to_fit();
     entry.rng.reset();
     entry.state = State::kDropped;
   }
@@ -209,6 +283,7 @@ void SacCache::clear() {
     for (auto& e : calls) {
       if (e.state == State::kCached) {
         e.slots.clear();
+        e.watches.clear();
         e.rng.reset();
         e.state = State::kDropped;
       }

@@ -49,6 +49,8 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace hyper_parallel::activation {
@@ -114,6 +116,24 @@ class SacCache {
   // Call it before the region's swap group is released.
   std::vector<Demoted> end_forward();
 
+  // --- writes through another version counter -------------------------------------------
+  // A tensor can share a cached output's storage without sharing its version counter:
+  // torch.matmul returns aten::mm's (3-D @ 2-D) and aten::bmm's (4-D @ 4-D) output through
+  // aten::_unsafe_view, a new tensor with a counter of its own, so `h = x @ w; h += 1`
+  // (T5's `scores += position_bias`) writes the cached mm output and its version stays.
+  // The region's forward calls these for every op it intercepts (docs/design.md,
+  // "Selective checkpoint"):
+  //   before_write(t): an op is about to write `t` (an argument its schema marks written);
+  //     an entry caching an output whose storage `t` shares is demoted by end_forward().
+  //   watch(outputs): an op returned `outputs`; each one sharing a cached output's storage
+  //     is watched (its version counter and version), so that a write through it after
+  //     the forward is a write to the cached output for replay() (and one within it for
+  //     end_forward()).
+  // Both are no-ops once end_forward() ran, and cost a hash lookup per tensor while some
+  // output is cached.
+  void before_write(const at::Tensor& t);
+  void watch(c10::ArrayRef<c10::IValue> outputs);
+
   // --- recompute (cached mode) ----------------------------------------------------------
   // Starts a recompute pass: call indices restart at 0.
   void begin_recompute();
@@ -149,15 +169,26 @@ class SacCache {
     uint32_t version = 0;                 // saved tensor: version when cached
   };
   enum class State : uint8_t { kRecompute, kCached, kDropped };
+  struct Watch {
+    c10::VariableVersion counter;  // of a tensor sharing a cached output's storage
+    uint32_t version = 0;          // its version when watched
+  };
   struct Entry {
     State state = State::kRecompute;
     CheckpointPolicy policy = CheckpointPolicy::PREFER_RECOMPUTE;
     OutputKind kind = OutputKind::kSingle;
     std::vector<Slot> slots;
     std::optional<RngStep> rng;  // a random op's generator step (cached entries only)
+    bool written = false;        // before_write() hit one of its storages in forward
+    std::vector<Watch> watches;  // aliases through other version counters (watch())
   };
 
   SwapEngine& engine() const;
+  // Whether a watched alias of `e` was written since it was watched (mu_ held).
+  static bool watched_write(const Entry& e);
+  // The cached entries (op key, call) holding each storage, while the forward runs.
+  template <class F>
+  void for_entries_of(const at::Tensor& t, F&& f);
 
   mutable std::mutex mu_;
   std::shared_ptr<const OpPolicyTable> table_;
@@ -170,6 +201,10 @@ class SacCache {
   std::vector<int64_t> cached_calls_;
   // replay_calls_[op_key]: calls replayed in the current recompute pass.
   std::vector<int64_t> replay_calls_;
+  // storages_[storage]: the cached entries (op key, call index) with an output in it;
+  // filled by record(), emptied by end_forward() (forward_over_).
+  std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<int64_t, int64_t>>> storages_;
+  bool forward_over_ = false;
   int64_t replays_ = 0;
 };
 

@@ -131,6 +131,63 @@ TEST_F(SacCacheTest, MutatedCachedTensorIsAClearError) {
   EXPECT_TRUE(contains(msg, "Clone it before the in-place op")) << msg;
 }
 
+// A tensor sharing `t`'s storage with a version counter of its own: what
+// aten::_unsafe_view returns under autograd (a plain ATen call here would share t's).
+at::Tensor alias_with_own_counter(const at::Tensor& t) {
+  at::Tensor u = t.view({-1}).detach();
+  u.unsafeGetTensorImpl()->set_version_counter(c10::VariableVersion(0));
+  return u;
+}
+
+// A write through such a tensor leaves the cached tensor's version as it was.
+// before_write() (in forward) demotes the entry; watch() lets replay() see a write after
+// the forward.
+TEST_F(SacCacheTest, WritesThroughAnotherVersionCounterAreSeenThroughTheStorage) {
+  SacCache cache;
+  at::Tensor a = at::randn({4, 4});
+  at::Tensor b = at::randn({4, 4});
+  cache.record(mm, P::MUST_SAVE, one(a), OutputKind::kSingle, nullptr);
+  cache.record(mm, P::MUST_SAVE, one(b), OutputKind::kSingle, nullptr);
+  at::Tensor ua = alias_with_own_counter(a);
+  at::Tensor ub = alias_with_own_counter(b);
+  ASSERT_EQ(ua.storage().unsafeGetStorageImpl(), a.storage().unsafeGetStorageImpl());
+  cache.watch(one(ua));
+  cache.watch(one(ub));
+  cache.watch(one(at::randn({3})));  // another storage: nothing watched
+  const auto va = a._version();
+  cache.before_write(ua);  // an op is about to write ua
+  ua.add_(1);
+  EXPECT_EQ(a._version(), va);  // the cached tensor's own counter did not move
+  const auto demoted = cache.end_forward();
+  ASSERT_EQ(demoted.size(), 1u);
+  EXPECT_EQ(demoted[0].call, 0);
+  // After the forward: before_write is a no-op, the watch of ub stays.
+  const auto vb = b._version();
+  cache.before_write(ub);
+  ub.mul_(2);
+  EXPECT_EQ(b._version(), vb);  // the cached tensor's own counter did not move
+  cache.begin_recompute();
+  EXPECT_TRUE(cache.replay(mm, false).recompute);  // call #0: demoted
+  const std::string msg = message_of([&] { cache.replay(mm, false); });
+  EXPECT_TRUE(contains(msg, "hyper_parallel: the output of aten.mm.default (call #1) that "
+                            "selective checkpoint cached was modified in place after the "
+                            "region's forward through a tensor sharing its memory")) << msg;
+}
+
+TEST_F(SacCacheTest, AWatchedWriteIsHandedBackWhenCacheEntryMutationIsAllowed) {
+  SacCache cache(nullptr, nullptr, /*allow_mutation=*/true);
+  at::Tensor a = at::zeros({4});
+  cache.record(mm, P::MUST_SAVE, one(a), OutputKind::kSingle, nullptr);
+  at::Tensor ua = alias_with_own_counter(a);
+  cache.watch(one(ua));
+  EXPECT_TRUE(cache.end_forward().empty());
+  ua.fill_(3);
+  cache.begin_recompute();
+  const auto r = cache.replay(mm, false);
+  ASSERT_FALSE(r.recompute);
+  EXPECT_TRUE(at::equal(r.outputs[0].toTensor(), at::full({4}, 3.0)));
+}
+
 TEST_F(SacCacheTest, EndForwardDemotesEntriesMutatedInsideTheForward) {
   SwapEngine engine(cpu_options());
   SacCache cache(nullptr, &engine);

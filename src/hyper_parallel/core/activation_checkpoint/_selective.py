@@ -418,9 +418,20 @@ class _CachingMode(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         st = self._state
-        if info.kind == _PASSTHROUGH or st.rstate.excluding:
-            # ignore_sac_ops, or inside a checkpoint_exclude_wrapper (not replayed).
+        if info.kind == _PASSTHROUGH:  # ignore_sac_ops
             return func(*args, **kwargs)
+        if info.writes and st.cache is not None:
+            # a write to a cached output's storage through another version counter
+            # (aten::_unsafe_view's output): the entry is demoted (SacCache.h)
+            for i in info.writes:
+                target = kwargs.get("out") if i < 0 else (args[i] if i < len(args) else None)
+                if target is not None:
+                    st.cache.before_write(target)
+        if st.rstate.excluding:  # inside a checkpoint_exclude_wrapper (not replayed)
+            out = func(*args, **kwargs)
+            if st.cache is not None:
+                st.cache.watch(out)
+            return out
         st.external.forward_inputs(info.name, args, kwargs, info.writes)
         rng = None
         if info.seeded and info.kind == _PLAIN and st.cache is not None and (
@@ -430,6 +441,8 @@ class _CachingMode(TorchDispatchMode):
         if rng is not None and rng is not _NO_GENERATOR and not rng.after():
             rng = None  # the op left its generator where it was
         st.external.forward_outputs(out)
+        if st.cache is not None:
+            st.cache.watch(out)
         kind = info.kind
         if kind == _COLLECTIVE:
             st.collectives.record(func, args, out,

@@ -530,6 +530,108 @@ def test_cached_tensor_mutated_inside_the_region_is_recomputed(policy, caches, h
     assert_equal_tensors(torch.autograd.grad(out.sum(), [x, w]), g_ref)
 
 
+# torch.matmul returns aten::mm's (3-D @ 2-D) and aten::bmm's (4-D @ 4-D) output through
+# aten::_unsafe_view: a tensor sharing the cached output's storage with a version counter of
+# its own, so an in-place write to it leaves the cached output's version as it was (T5's
+# attention: `scores = matmul(q, k^T); scores += position_bias`). Found by a fresh-user
+# tester: silently wrong gradients (torch's own selective checkpoint gives the same ones).
+_MATMUL_POLICIES = {
+    "declarative": lambda ops: {op: CheckpointPolicy.MUST_SAVE for op in ops},
+    "callable": lambda ops: (lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE
+                             if str(op) in ops else CheckpointPolicy.PREFER_RECOMPUTE),
+    "swap": lambda ops: {op: CheckpointPolicy.MUST_SWAP for op in ops},
+}
+
+
+def _attention(q, k, bias):
+    scores = torch.matmul(q, k.transpose(-1, -2))  # aten.bmm, then aten._unsafe_view
+    scores += bias
+    return scores.softmax(-1)
+
+
+@pytest.mark.parametrize("kind", list(_MATMUL_POLICIES))
+@pytest.mark.filterwarnings("ignore:hyper_parallel. swap region:UserWarning")
+def test_a_write_through_unsafe_view_of_a_cached_output_is_recomputed(kind, caches, host_swap,
+                                                                     monkeypatch):
+    monkeypatch.setattr(_selective, "_warned_demoted", set())
+    gen = torch.Generator().manual_seed(0)
+    ins = [torch.randn(2, 3, 4, 5, generator=gen), torch.randn(2, 3, 4, 5, generator=gen),
+           torch.randn(1, 3, 4, 4, generator=gen)]
+
+    def grads(run):
+        xs = [t.clone().requires_grad_() for t in ins]
+        return torch.autograd.grad(run(*xs).pow(2).sum(), xs)
+
+    ref = grads(_attention)
+    policy = _MATMUL_POLICIES[kind](["aten.bmm.default"])
+    with pytest.warns(UserWarning, match=r"aten\.bmm\.default \(call #0\) was modified in "
+                                         r"place later in the same checkpoint region"):
+        got = grads(lambda *a: checkpoint(_attention, *a, policy_fn=policy))
+    assert_equal_tensors(got, ref)
+    assert caches[0].stats()["saved_entries"] + caches[0].stats()["swapped_entries"] == 0
+
+
+@pytest.mark.parametrize("kind", list(_MATMUL_POLICIES))
+@pytest.mark.filterwarnings("ignore:hyper_parallel. swap region:UserWarning")
+def test_a_write_through_unsafe_view_of_a_cached_mm_is_recomputed(kind, host_swap, monkeypatch):
+    monkeypatch.setattr(_selective, "_warned_demoted", set())
+    w = torch.randn(D, D, requires_grad=True)
+    x = torch.randn(2, 4, D, requires_grad=True)
+
+    def mlp(x):
+        h = x @ w  # 3-D @ 2-D: aten.mm on a flattened view, then aten._unsafe_view
+        h += 1.0
+        return (h @ w).tanh()
+
+    ref = torch.autograd.grad(mlp(x).pow(2).sum(), [x, w])
+    policy = _MATMUL_POLICIES[kind](["aten.mm.default"])
+    with pytest.warns(UserWarning, match="modified in place later in the same checkpoint"):
+        out = checkpoint(mlp, x, policy_fn=policy)
+    assert_equal_tensors(torch.autograd.grad(out.pow(2).sum(), [x, w]), ref)
+
+
+@pytest.mark.parametrize("kind", list(_MATMUL_POLICIES))
+@pytest.mark.filterwarnings("ignore:hyper_parallel. swap region:UserWarning")
+def test_a_write_through_unsafe_view_after_the_region_raises(kind, host_swap):
+    """Written after the forward, through the region's output: the cached mm output would be
+    handed back stale to the recompute of sin (which saved it): an error, like autograd's
+    own for a saved tensor written in place."""
+    w = torch.randn(D, D, requires_grad=True)
+
+    def fn(x):
+        h = x @ w
+        return h, torch.sin(h)
+
+    h, y = checkpoint(fn, torch.randn(2, 4, D), policy_fn=_MATMUL_POLICIES[kind](
+        ["aten.mm.default"]))
+    h.add_(1)
+    with pytest.raises(RuntimeError, match=r"hyper_parallel: the output of aten\.mm\.default "
+                                           r"\(call #0\) that selective checkpoint cached was "
+                                           r"modified in place after the region's forward "
+                                           r"through a tensor sharing its memory"):
+        y.sum().backward()
+
+
+def test_a_write_through_unsafe_view_after_the_region_is_handed_back_when_allowed():
+    """allow_cache_entry_mutation=True (torch's meaning): the modified value is used."""
+    from hyper_parallel.core.activation_checkpoint import create_selective_checkpoint_contexts
+    w = torch.randn(D, D, requires_grad=True)
+    x = torch.randn(2, 4, D)
+
+    def fn(x):
+        h = x @ w
+        return h, torch.sin(h)
+
+    ctx = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default],
+                            allow_cache_entry_mutation=True)
+    h, y = torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False, context_fn=ctx)
+    h.add_(1)
+    (gw,) = torch.autograd.grad(y.sum(), [w])
+    # what a recompute from the modified mm output gives: d/dw sum(sin(x @ w + 1))
+    (want,) = torch.autograd.grad(torch.sin((x @ w) + 1).sum(), [w])
+    assert_equal_tensors([gw], [want])
+
+
 def test_recompute_running_other_ops_raises_clearly():
     w = torch.randn(D, D, requires_grad=True)
     state = {"extra": False}
