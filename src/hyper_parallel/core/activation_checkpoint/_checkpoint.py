@@ -445,9 +445,9 @@ def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwar
         The last function's output.
 
     Raises:
-        TypeError: for an option :func:`checkpoint` does not have, or a ``segments`` that
-            is not a positive int; ValueError/TypeError for bad option values (as
-            :func:`checkpoint`).
+        TypeError: for an option :func:`checkpoint` does not have, ``functions`` that are
+            not a sequence of callables, or a ``segments`` that is not a positive int;
+            ValueError/TypeError for bad option values (as :func:`checkpoint`).
     """
     unknown = sorted(set(kwargs) - set(_CHECKPOINT_OPTIONS))
     if unknown:
@@ -459,7 +459,16 @@ def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwar
     options = _prepare_kwargs({**kwargs, "use_reentrant": use_reentrant})
     if isinstance(functions, nn.Sequential):
         functions = list(functions.children())
-    functions = list(functions)
+    try:
+        functions = list(functions)
+    except TypeError:
+        raise TypeError(f"hyper_parallel: checkpoint_sequential's functions must be an "
+                        f"nn.Sequential or a list of modules / callables; got "
+                        f"{type(functions).__name__}.") from None
+    bad = [i for i, f in enumerate(functions) if not callable(f)]
+    if bad:
+        raise TypeError(f"hyper_parallel: checkpoint_sequential's functions must all be "
+                        f"callable; item {bad[0]} is a {type(functions[bad[0]]).__name__}.")
     if segments > len(functions):
         raise ValueError(f"hyper_parallel: checkpoint_sequential got segments={segments} for "
                          f"{len(functions)} functions; each segment needs at least one, so "

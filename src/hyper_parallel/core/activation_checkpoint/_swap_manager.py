@@ -274,14 +274,27 @@ class SwapManager:
             install(obj, node)
 
     def unregister(self, model) -> None:
-        """Removes ``model`` and all its submodules (or one function) from the schedule."""
+        """Removes ``model`` and all its submodules (or one function) from the schedule; one
+        never registered is left as it is.
+
+        Raises:
+            ArgumentKindError: (a TypeError and a ValueError) when ``model`` is neither a
+                module nor a callable (a layer's name, None, a tensor).
+        """
         backend = backend_for(model)
         if backend is not None:  # a MindSpore Cell: its sub-Cells and their hooks
             objs = backend.cells_of(model)
             for obj in objs:
                 backend.remove_layer_hooks(obj)
+        elif isinstance(model, torch.nn.Module):
+            objs = list(model.modules())
+        elif callable(model) and not isinstance(model, torch.Tensor):
+            objs = [model]
         else:
-            objs = list(model.modules()) if isinstance(model, torch.nn.Module) else [model]
+            raise ArgumentKindError(
+                f"hyper_parallel: SwapManager().unregister takes the module (or function) "
+                f"that was registered, not a {type(model).__name__} ({model!r:.60}); pass "
+                f"the module itself, e.g. model.get_submodule(name).")
         self._unregister_objs(objs)
 
     def unregister_forward_prefetch_layer(self, module) -> None:
@@ -426,34 +439,36 @@ class SwapManager:
 
         Raises:
             SwapGroupError: for a name never used (or forgotten by :meth:`abort_group`).
+            ArgumentKindError: for a ``group`` that is not a str (every group method).
             TypeError: for a ``copy_stream`` that is not a stream.
         """
         _check_stream(copy_stream)
-        _by_name(_C.launch_offload, group)
+        _by_name("launch_offload", _C.launch_offload, group)
 
     def wait_offload(self, group: str) -> None:
         """Blocks until the D2H copies of ``group`` are complete (SwapGroupError for an
         unknown name, or for a live group whose offload was never launched)."""
-        _by_name(_C.wait_offload, group)
+        _by_name("wait_offload", _C.wait_offload, group)
 
     def launch_load(self, group: str, copy_stream=None) -> None:
         """Re-allocates ``group``'s storages and starts their H2D copies (SwapGroupError
         for an unknown name; ``copy_stream`` as in :meth:`launch_offload`)."""
         _check_stream(copy_stream)
-        _by_name(_C.launch_load, group)
+        _by_name("launch_load", _C.launch_load, group)
 
     def wait_load(self, group: str) -> None:
         """Orders the compute stream after ``group``'s H2D copies (SwapGroupError for an
         unknown name, or for a live group whose load was never launched and whose backward
         has not begun)."""
-        _by_name(_C.wait_load, group)
+        _by_name("wait_load", _C.wait_load, group)
 
     def ensure_group(self, name: str):
         """The live swap group named ``name``, created (an empty manual group, as
         :meth:`group_context` makes) when there is none; returns it. For the reference's
         call shape; prefer :meth:`group_context`, which also makes the group current so
-        that ``swap_tensor_wrapper`` registers into it."""
-        name = str(name)
+        that ``swap_tensor_wrapper`` registers into it. ArgumentKindError for a ``name``
+        that is not a str."""
+        _check_group_name("ensure_group", name)
         group = _C.find_group(name)
         if group is None:
             with self.group_context(name) as group:
@@ -468,10 +483,10 @@ class SwapManager:
         Raises:
             SwapGroupError: for a name never used.
         """
-        name = str(name)
+        _check_group_name("abort_group", name)
         if _C.find_group(name) is not None:
-            _by_name(_C.launch_load, name)
-            _by_name(_C.wait_load, name)
+            _by_name("abort_group", _C.launch_load, name)
+            _by_name("abort_group", _C.wait_load, name)
         elif not _C.knows_group(name):
             _raise_unknown(name)
         _C.forget_group(name)
@@ -483,8 +498,9 @@ class SwapManager:
         that need it, so this only forgets a manual group kept alive by its name; the
         tensors are not touched. Unknown names are ignored, as in the reference. Not
         needed with hyper_parallel's own schedule; :meth:`abort_group` is the call that
-        gives a manual group up."""
-        _C.forget_group(str(name))
+        gives a manual group up. ArgumentKindError for a ``name`` that is not a str."""
+        _check_group_name("release_group_storage", name)
+        _C.forget_group(name)
 
     def active_group_count(self) -> int:
         """How many named swap groups are alive: held by saved tensors that still need
@@ -497,8 +513,11 @@ class SwapManager:
     def is_last_group(self, name: str | None = None) -> bool:
         """Whether group ``name`` (default: the current group) is the invocation of the
         last layer of its prefetch chain (whose activations stay on device). ``False``
-        for unknown names and groups in no chain."""
-        group = _C.current_group() if name is None else _C.find_group(str(name))
+        for unknown names and groups in no chain (ArgumentKindError for a name that is
+        neither a str nor None)."""
+        if name is not None:
+            _check_group_name("is_last_group", name)
+        group = _C.current_group() if name is None else _C.find_group(name)
         if group is None or group.layer < 0:
             return False
         for node in list(_nodes):
@@ -560,9 +579,10 @@ def _check_group_name(api: str, name) -> None:
             f"wait_load address the group by); got {name!r} ({type(name).__name__}).")
 
 
-def _by_name(fn, name) -> None:
+def _by_name(api: str, fn, name) -> None:
+    _check_group_name(api, name)
     try:
-        fn(str(name))
+        fn(name)
     except ValueError as err:
         if "no live swap group" in str(err) or "') before launch_" in str(err):
             raise SwapGroupError(str(err)) from None

@@ -201,6 +201,13 @@ def test_checkpoint_sequential_matches_torchs_and_no_checkpoint():
         checkpoint_sequential(seq, 2, x, bogus=1)
     with pytest.raises(TypeError, match="segments must be a positive int"):
         checkpoint_sequential(seq, 0, x)
+    # tester: a bare "'int' object is not iterable" (torch's own gives the same)
+    with pytest.raises(TypeError, match=r"^hyper_parallel: checkpoint_sequential's functions "
+                                        r"must be an nn.Sequential or a list"):
+        checkpoint_sequential(5, 1, x)
+    with pytest.raises(TypeError, match=r"^hyper_parallel: checkpoint_sequential's functions "
+                                        r"must all be callable; item 1 is a int"):
+        checkpoint_sequential([seq[0], 3], 1, x)
 
 
 def _mutated_output_region(allow):

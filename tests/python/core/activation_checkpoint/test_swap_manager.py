@@ -151,3 +151,41 @@ def test_group_names_must_be_str_at_the_call(bad):
         SwapManager().set_current_group_name(bad)
     with SwapManager().group_context("ok") as group:  # a str still works
         assert group is not None
+
+
+@pytest.mark.parametrize("bad", [5, None, b"g"])
+def test_every_group_method_takes_a_str_name(bad):
+    """Tester fault: launch_offload(5) reported "no live swap group named '5'" (the int made a
+    str) where group_context(5) raised ArgumentKindError for the same mistake."""
+    from hyper_parallel.core.activation_checkpoint import ArgumentKindError
+
+    m = SwapManager()
+    calls = [m.launch_offload, m.wait_offload, m.launch_load, m.wait_load, m.ensure_group,
+             m.abort_group, m.release_group_storage]
+    if bad is not None:  # is_last_group(None) asks about the current group
+        calls.append(m.is_last_group)
+    for call in calls:
+        with pytest.raises(ArgumentKindError, match=rf"^hyper_parallel: {call.__name__}'s "
+                                                    r"name must be a str"):
+            call(bad)
+    with pytest.raises(SwapGroupError):  # a str name never used: as before
+        m.launch_offload("never-used-name")
+
+
+@pytest.mark.parametrize("bad", [5, None, "model.layers.0", torch.zeros(1)])
+def test_unregister_refuses_what_cannot_have_been_registered(bad):
+    """Tester fault: unregister(5), unregister(None) and unregister("model.layers.0") did
+    nothing and said nothing (a name or a parameter passed by mistake was never reported)."""
+    from hyper_parallel.core.activation_checkpoint import ArgumentKindError
+
+    with pytest.raises(ArgumentKindError, match=r"^hyper_parallel: SwapManager\(\)\.unregister "
+                                                r"takes the module \(or function\)"):
+        SwapManager().unregister(bad)
+
+
+def test_unregister_of_a_module_or_function_never_registered_is_a_no_op():
+    SwapManager().unregister(nn.Linear(2, 2))
+    SwapManager().unregister(torch.sin)
+    layer = swap_wrapper(nn.Linear(2, 2))
+    SwapManager().unregister(layer)
+    SwapManager().unregister(layer)  # twice: nothing left to remove
