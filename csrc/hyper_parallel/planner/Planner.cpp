@@ -108,8 +108,10 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     // `linear`, where it is f.backlog - l.backlog).
     const double reach =
         l.backlog >= linear ? std::min(least_time, least_time_backlog - l.backlog) : least_time;
+    // Newest entries first: they hold the most (kept order), so a dominator, which must
+    // be about as fast as l, is most often among them.
     bool dominated = false;
-    for (size_t j = 0; reach <= l.time + eps && j < front.size(); ++j) {
+    for (size_t j = front.size(); reach <= l.time + eps && j-- > 0;) {
       const Front& f = front[j];
       const double extra = f.backlog >= linear && l.backlog >= linear
                                ? f.backlog - l.backlog
