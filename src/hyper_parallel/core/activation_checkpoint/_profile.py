@@ -41,7 +41,11 @@ cost model of ``csrc/hyper_parallel/planner/CostModel.h`` needs:
   the gradient of the layer's output to that of its input), minus the time the engine
   reports it stalled on reloads there; on an accelerator each hook synchronizes. On the
   CPU the clock leaves out the time the thread waited, runnable, for a CPU that another
-  process held (``_clock.unpreempted_clock``; the step times too).
+  process held (``_clock.unpreempted_clock``; the step times too). A swapping strategy's
+  times measured below its resident twin's (``swap`` / ``none``, ``selective_swap`` /
+  ``selective``, ``checkpoint_swap`` / ``checkpoint``) are raised to them: the same compute
+  plus the copies' work is never faster, and noise that says so makes plans swap for
+  nothing (``_floor_by_twin``).
 
 and, outside the layers: the bytes saved before the first layer (held all step), those
 saved after the last one (the head and loss, freed before the layers' backward, except
@@ -723,6 +727,28 @@ def measure_copy_links(device: torch.device, nbytes: int, repeats: int = 5,
     return fit_copy_link(points["d2h"]), fit_copy_link(points["h2d"])
 
 
+# A swapping strategy runs its resident twin's compute plus the copies' host work and
+# contention: it is never faster. (strategy, its twin)
+_RESIDENT_TWIN = (("swap", "none"), ("selective_swap", "selective"),
+                  ("checkpoint_swap", "checkpoint"))
+
+
+def _floor_by_twin(runs: dict) -> None:
+    """Per layer, the forward and backward times of a swapping strategy measured below its
+    resident twin's are set to the twin's (in place). The planner picks per layer whatever
+    was measured fastest, so a swap step that noise made look faster than "none" (on a
+    shared 2-core machine the same plan's step moved 6-26 % between two measurements)
+    became plans that swap for nothing: at a budget "none" met, 7 of 8 layers swapped
+    (bench_planner, 2026-12-06). Backward times are net of the engine's stalls, which the
+    cost model adds from the link."""
+    for swapping, twin in _RESIDENT_TWIN:
+        if swapping not in runs or twin not in runs:
+            continue
+        for c, t in zip(runs[swapping]["costs"], runs[twin]["costs"]):
+            c.forward_seconds = max(c.forward_seconds, t.forward_seconds)
+            c.backward_seconds = max(c.backward_seconds, t.backward_seconds)
+
+
 def _typical(runs: list[dict]) -> dict:
     """Several steps of one strategy: bytes of the last one (they are deterministic), each
     time the median over the steps (what a timed run of many steps reports; the least
@@ -818,6 +844,7 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
                     remove_activation_memory(model)
                 state.check_parameters()
         runs = {name: _typical(steps[name]) for name in names}
+        _floor_by_twin(runs)
         if any(STRATEGIES[n].swaps for n in names):
             typical = max(c.kept_bytes for c in runs["none"]["costs"])
             link_d2h, link_h2d = measure_copy_links(device, max(1 << 16, typical),

@@ -389,6 +389,31 @@ def test_profile_gives_each_layer_its_deferred_input(llama_profile):
         assert profile.costs[name][-1].group_bytes == 0
 
 
+def test_a_swapping_strategy_is_never_profiled_faster_than_its_resident_twin(llama_profile):
+    _, _, profile, _ = llama_profile
+    for swapping, twin in (("swap", "none"), ("checkpoint_swap", "checkpoint")):
+        for c, t in zip(profile.costs[swapping], profile.costs[twin]):
+            assert c.forward_seconds >= t.forward_seconds, swapping
+            assert c.backward_seconds >= t.backward_seconds, swapping
+
+
+def test_floor_by_twin_raises_only_what_noise_put_below():
+    from hyper_parallel.core.activation_checkpoint._profile import LayerCost, _floor_by_twin
+
+    def costs(*times):
+        return {"costs": [LayerCost(0, 0, f, b) for f, b in times]}
+
+    runs = {"none": costs((1.0, 2.0), (1.0, 2.0)), "swap": costs((0.9, 2.5), (1.2, 1.5)),
+            "selective_swap": costs((0.5, 0.5), (0.5, 0.5))}  # no "selective": left alone
+    _floor_by_twin(runs)
+    assert [(c.forward_seconds, c.backward_seconds) for c in runs["swap"]["costs"]] == [
+        (1.0, 2.5), (1.2, 2.0)]
+    assert [(c.forward_seconds, c.backward_seconds) for c in runs["none"]["costs"]] == [
+        (1.0, 2.0), (1.0, 2.0)]
+    assert [(c.forward_seconds, c.backward_seconds)
+            for c in runs["selective_swap"]["costs"]] == [(0.5, 0.5), (0.5, 0.5)]
+
+
 def _measured_peak(model, step, plan):
     SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)  # each test starts with it off
     names = [f"model.layers.{k}" for k in range(len(plan))]
