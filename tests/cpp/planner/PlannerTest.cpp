@@ -454,6 +454,26 @@ bool runs_once(const std::vector<int>& a) {
   return true;
 }
 
+// Five layers of three options, "fast" and "small" saving a shared tensor of
+// share_unit x (1..8) bytes from layer 1 on (the mask every layer saves): the faster
+// option is larger, the smaller slower, so the uncharged optimum mixes them.
+StepProfile shared_mix_profile(uint32_t seed, int64_t share_unit) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> bytes(1, 8);
+  std::uniform_real_distribution<double> sec(1.0, 2.0);
+  StepProfile p;
+  p.options = {"none", "fast", "small"};
+  for (int k = 0; k < 5; ++k) {
+    const int64_t share = k == 0 ? 0 : share_unit * bytes(rng);
+    OptionCost none{1000 + 100 * bytes(rng), 0, 1.0, 2.0};
+    OptionCost fast{300 + 100 * bytes(rng), 0, 1.0, 2.5 + sec(rng)};
+    OptionCost small{100 * bytes(rng), 0, 1.0, 4.0 + sec(rng)};
+    fast.shared_bytes = small.shared_bytes = share;
+    p.layers.push_back({none, fast, small});
+  }
+  return p;
+}
+
 TEST(PlannerTest, APlanWhoseOptionsRunOnceWithinTheBudgetIsAlwaysFound) {
   // Two options that save a shared tensor (the mask every layer saves), one faster and
   // larger, one slower and smaller: the uncharged optimum mixes them, so it is over its
@@ -462,19 +482,7 @@ TEST(PlannerTest, APlanWhoseOptionsRunOnceWithinTheBudgetIsAlwaysFound) {
   // budget it meets was reported infeasible (tester's 4-layer mask stack: checkpoint_swap
   // measured 4096 B, "smallest reachable 5120 B" once checkpoint was a candidate too).
   for (uint32_t seed = 0; seed < 40; ++seed) {
-    std::mt19937 rng(seed);
-    std::uniform_int_distribution<int> bytes(1, 8);
-    std::uniform_real_distribution<double> sec(1.0, 2.0);
-    StepProfile p;
-    p.options = {"none", "fast", "small"};
-    for (int k = 0; k < 5; ++k) {
-      const int64_t share = k == 0 ? 0 : 100 * bytes(rng);
-      OptionCost none{1000 + 100 * bytes(rng), 0, 1.0, 2.0};
-      OptionCost fast{300 + 100 * bytes(rng), 0, 1.0, 2.5 + sec(rng)};
-      OptionCost small{100 * bytes(rng), 0, 1.0, 4.0 + sec(rng)};
-      fast.shared_bytes = small.shared_bytes = share;
-      p.layers.push_back({none, fast, small});
-    }
+    const StepProfile p = shared_mix_profile(seed, 100);
     const Planner planner(p);
     for (int64_t budget = 500; budget <= 6000; budget += 100) {
       bool want = false;
@@ -501,19 +509,7 @@ TEST(PlannerTest, APlanWhoseOptionsRunOnceWithinTheBudgetIsAlwaysFound) {
 TEST(PlannerTest, UnderTheSharedChargeTheReportedBoundHoldsAgainstBruteForce) {
   int bounded = 0, exact = 0;
   for (uint32_t seed = 0; seed < 30; ++seed) {
-    std::mt19937 rng(seed);
-    std::uniform_int_distribution<int> bytes(1, 8);
-    std::uniform_real_distribution<double> sec(1.0, 2.0);
-    StepProfile p;
-    p.options = {"none", "fast", "small"};
-    for (int k = 0; k < 5; ++k) {
-      const int64_t share = k == 0 ? 0 : 10 * bytes(rng);  // small against the budgets
-      OptionCost none{1000 + 100 * bytes(rng), 0, 1.0, 2.0};
-      OptionCost fast{300 + 100 * bytes(rng), 0, 1.0, 2.5 + sec(rng)};
-      OptionCost small{100 * bytes(rng), 0, 1.0, 4.0 + sec(rng)};
-      fast.shared_bytes = small.shared_bytes = share;
-      p.layers.push_back({none, fast, small});
-    }
+    const StepProfile p = shared_mix_profile(seed, 10);  // charges small against the budgets
     const Planner planner(p);
     for (int64_t budget = 500; budget <= 6000; budget += 37) {
       const Best want = brute_force(p, budget);

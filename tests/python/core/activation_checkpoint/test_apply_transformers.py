@@ -92,13 +92,14 @@ def built():
     return out
 
 
-def train(model, batches, seed: int = 0):
-    """Three SGD steps; (losses, gradients of every step)."""
+def train(model, batches, seed: int = 0, **call):
+    """Three SGD steps; (losses, gradients of every step). ``call``: more keyword arguments
+    of the model's call."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads = [], []
     for step, tokens in enumerate(batches):
         torch.manual_seed(seed + step)  # dropout draws the same numbers in both runs
-        out = model(input_ids=tokens, labels=tokens)
+        out = model(input_ids=tokens, labels=tokens, **call)
         out.loss.backward()
         losses.append(out.loss.detach().clone())
         grads.append([p.grad.clone() for p in model.parameters()])
@@ -393,23 +394,6 @@ def t5():
     return transformers.T5ForConditionalGeneration(config)
 
 
-def train_t5(model, batches):
-    """train() for T5, without a KV cache in both runs (use_cache=False per call: with the
-    cache, the decoder's attention reads through its concatenation, and even a plain swap
-    plan then differs from the plain model in the last bits)."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, grads = [], []
-    for step, tokens in enumerate(batches):
-        torch.manual_seed(step)
-        out = model(input_ids=tokens, labels=tokens, use_cache=False)
-        out.loss.backward()
-        losses.append(out.loss.detach().clone())
-        grads.append([p.grad.clone() for p in model.parameters()])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return losses, grads
-
-
 @pytest.mark.parametrize("plan", ["checkpoint", "swap", "selective", "selective_swap"])
 def test_t5_trains_bitwise(plan, host_swap):
     """T5's attention writes its scores in place (`scores += position_bias`) right after
@@ -420,12 +404,15 @@ def test_t5_trains_bitwise(plan, host_swap):
     torch.manual_seed(0)
     base = t5().train()
     data = batches()[:2]
-    ref_losses, ref_grads = train_t5(copy.deepcopy(base), data)
+    # without a KV cache in both runs (use_cache=False per call: with the cache the
+    # decoder's attention reads through its concatenation, and even a plain swap plan then
+    # differs from the plain model in the last bits)
+    ref_losses, ref_grads = train(copy.deepcopy(base), data, use_cache=False)
     model = copy.deepcopy(base)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "modified in place ...": once per op, expected
         apply_activation_memory(model, plan)
-        losses, grads = train_t5(model, data)
+        losses, grads = train(model, data, use_cache=False)
     for step in range(len(data)):
         assert torch.equal(losses[step], ref_losses[step]), (plan, step)
         for a, b in zip(grads[step], ref_grads[step]):
