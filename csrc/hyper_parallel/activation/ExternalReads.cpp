@@ -70,19 +70,25 @@ void ExternalReads::forward_inputs(int64_t op_key, c10::ArrayRef<c10::IValue> ar
 }
 
 void ExternalReads::before_write(const at::Tensor& t) {
-  Read* rec = find(t);
-  at::Tensor target = t;
-  if (rec == nullptr) {
-    if (!t.is_view()) return;
-    target = t._base();
-    if (!target.defined() || (rec = find(target)) == nullptr) return;
-  }
-  if (rec->snap != Snap::kNone) return;
-  if (target._version() == rec->version) {
-    rec->snapshot = copy_of(target);
-    rec->snap = Snap::kValue;
-  } else {
-    rec->snap = Snap::kLost;
+  // Every external tensor in the written storage: the one written, its base, other views
+  // of that base (their values forward read are kept, whatever part the write touches).
+  if (!t.has_storage()) return;
+  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  for (auto& [impl, rec] : reads_) {
+    if (rec.snap != Snap::kNone || rec.storage != storage) continue;
+    auto p = rec.ref.lock();
+    if (!p) continue;
+    const at::Tensor u(std::move(p));
+    if (!u.has_storage() || u.storage().unsafeGetStorageImpl() != storage) continue;
+    if (u._version() == rec.version) {
+      rec.snapshot = copy_of(u);
+      rec.snap = Snap::kValue;
+      // Through itself or a view of it, the recompute replays the write on its copy;
+      // through another tensor (its base, a sibling view) it does not.
+      rec.by_other = !u.is_same(t) && !(t.is_view() && t._base().is_same(u));
+    } else {
+      rec.snap = Snap::kLost;  // written before, by an op that did not declare it
+    }
   }
 }
 
@@ -98,6 +104,14 @@ void ExternalReads::end_forward() {
   produced_.clear();  // only needed to tell external tensors apart
   produced_.rehash(0);
   for (auto& [impl, rec] : reads_) {
+    if (rec.snap == Snap::kValue && rec.by_other) {
+      auto p = rec.ref.lock();
+      if (p && !at::Tensor(std::move(p)).equal(rec.snapshot)) {
+        rec.snap = Snap::kOverlapped;
+        rec.snapshot = at::Tensor();
+      }
+      continue;
+    }
     if (rec.snap != Snap::kNone) continue;
     auto t = rec.ref.lock();
     if (t && t->version_counter().current_version() != rec.version) rec.snap = Snap::kUndeclared;
@@ -129,6 +143,14 @@ std::string ExternalReads::modified_message(const at::Tensor& t, int64_t op_key,
   return os.str();
 }
 
+std::string ExternalReads::overlapped_message(const at::Tensor& t) const {
+  return "the recompute of a checkpoint region reads " + name(t) + ", whose value the "
+         "region's forward changed after reading it by writing another tensor of the same "
+         "memory (its base or another view of it): the recompute cannot replay that. Write "
+         "through the tensor the region reads (or a view of it), clone it before the region "
+         "reads it, or move the write out of the checkpointed function.";
+}
+
 void ExternalReads::begin_recompute() {
   shadows_.clear();
   for (auto& [impl, rec] : reads_) {
@@ -138,6 +160,8 @@ void ExternalReads::begin_recompute() {
     const at::Tensor t(std::move(p));
     if (rec.snap == Snap::kNone) {
       HP_CHECK(t._version() == rec.version, modified_message(t, rec.op_key, rec.version));
+    } else if (rec.snap == Snap::kOverlapped) {
+      HP_CHECK(false, overlapped_message(t));
     } else {
       HP_CHECK(false, "the recompute of a checkpoint region needs the value that ", name(t),
                " had when ", OpNames::name(rec.op_key), " read it in the region's forward, "
@@ -156,6 +180,8 @@ at::Tensor ExternalReads::resolve(const at::Tensor& t, int64_t op_key) {
     case Snap::kNone:
       HP_CHECK(t._version() == rec->version, modified_message(t, op_key, rec->version));
       return t;
+    case Snap::kOverlapped:
+      HP_CHECK(false, overlapped_message(t));
     case Snap::kLost:
     case Snap::kUndeclared:
       HP_CHECK(false, "the recompute of a checkpoint region needs the value that ", name(t),

@@ -7,7 +7,13 @@
 //   * forward: a tensor input that no earlier op of the region produced is external; its
 //     version is noted at the first read (a weak reference, no copy). Right before an op
 //     writes an external tensor (or a view of one) its value is copied (copy on write:
-//     only written state costs memory, e.g. BatchNorm's running statistics);
+//     only written state costs memory, e.g. BatchNorm's running statistics). Every
+//     external tensor sharing the written one's storage is copied, not only the one
+//     written or its base: a view read elsewhere (`v = buf[:4]` read, `buf[4:]` written;
+//     FSDP2's all-gather input, a view of the buffer the collective writes) keeps the
+//     value forward read whatever the write touched. When such a write changed its
+//     value (it overlaps), reads after it saw the new value: end_forward() finds it
+//     changed and the recompute raises instead of using the copy;
 //   * recompute: reads of a written external tensor are redirected to a private copy of
 //     the value forward read (the recompute's writes go there and are dropped); reads of
 //     any other external tensor check that its version is still the one forward saw, and
@@ -68,13 +74,21 @@ class ExternalReads {
   size_t reads() const { return reads_.size(); }
 
  private:
-  enum class Snap : uint8_t { kNone, kValue, kLost, kUndeclared };
+  // kOverlapped: kept when a write through another tensor of its storage (not itself, not
+  // its view) came, and that write changed its value during the forward: reads after the
+  // write saw the new value, which the copy does not hold.
+  enum class Snap : uint8_t { kNone, kValue, kLost, kUndeclared, kOverlapped };
   struct Read {
-    explicit Read(const at::Tensor& t) : ref(t.getIntrusivePtr()) {}
+    explicit Read(const at::Tensor& t)
+        : ref(t.getIntrusivePtr()),
+          storage(t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr) {}
     c10::weak_intrusive_ptr<c10::TensorImpl> ref;
+    // Its storage when read (compared before `ref` is locked; checked again through it).
+    const c10::StorageImpl* storage = nullptr;
     uint32_t version = 0;
     Snap snap = Snap::kNone;
     at::Tensor snapshot;  // kValue: the value forward read, kept before its first write
+    bool by_other = false;  // kept for a write through another tensor of its storage
     int64_t op_key = -1;  // the op that read it first
   };
 
@@ -85,6 +99,7 @@ class ExternalReads {
   at::Tensor resolve(const at::Tensor& t, int64_t op_key);
   std::string name(const at::Tensor& t) const;
   std::string modified_message(const at::Tensor& t, int64_t op_key, uint32_t version) const;
+  std::string overlapped_message(const at::Tensor& t) const;
 
   Describe describe_;
   std::unordered_map<const c10::TensorImpl*, Read> reads_;

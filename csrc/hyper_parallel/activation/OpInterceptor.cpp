@@ -250,7 +250,10 @@ void SacRegion::exit() {
   }
 }
 
-void SacRegion::end_forward() { external_.end_forward(); }
+void SacRegion::end_forward() {
+  c10::impl::ExcludeDispatchKeyGuard no_reentry(kKey);  // its value checks are not region ops
+  external_.end_forward();
+}
 
 void SacRegion::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                        torch::jit::Stack* stack, size_t level) {

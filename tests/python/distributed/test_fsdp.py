@@ -95,6 +95,32 @@ def test_fsdp2_checkpoint_matches_reference():
     assert names[0] == ["FSDPCheckpointWrapper"] * 3
 
 
+# ------------------------------------------------- sharded first, then a selective plan
+def _fsdp_sharded_then_selective(rank, world_size):
+    """fully_shard first, then apply_activation_memory (the planner's order: it profiles and
+    applies on the model as the user built it). FSDP2's all-gather input is a view of the
+    buffer the collective writes; under a declarative selective policy (C++ interception)
+    that write made the input look modified by an undeclared write and backward raised
+    (tester). Bitwise with the same sharded model without a plan."""
+    from hyper_parallel.core.activation_checkpoint import apply_activation_memory
+
+    mesh = _mesh(world_size)
+    base = Stack()
+    inputs = _rank_inputs(rank, world_size)
+    reference = train(_shard(twin(base), mesh), inputs)
+    for plan in ("selective", "checkpoint"):
+        model = _shard(twin(base), mesh)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            apply_activation_memory(model, plan, layers=[f"layers.{i}" for i in range(3)])
+        assert_equal_runs(train(model, inputs), reference, f"sharded, then {plan} vs FSDP")
+    return True
+
+
+def test_fsdp2_sharded_first_then_a_selective_plan_matches():
+    assert launch(_fsdp_sharded_then_selective) == [True, True]
+
+
 # ------------------------------------------------------------------------ FSDP + swap chain
 def _swap_stack(base):
     from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper

@@ -36,16 +36,28 @@ import torch
 _Tensor = torch.Tensor
 _LOST = object()  # written in forward after another write changed it: value unknown
 _UNDECLARED = object()  # written in forward by an op whose schema does not say so
+_OVERLAPPED = object()  # changed in forward by a write through another tensor of its storage
 
 
 class _Read:
-    __slots__ = ("ref", "version", "snapshot", "op")
+    __slots__ = ("ref", "version", "snapshot", "op", "storage", "by_other")
 
     def __init__(self, tensor, op: str) -> None:
         self.ref = weakref.ref(tensor)
         self.version = tensor._version
+        self.storage = _storage_key(tensor)
+        # kept for a write through another tensor of its storage (its base, a sibling view)
+        self.by_other = False
         self.snapshot = None  # the value forward read, kept before forward's first write
         self.op = op  # the op that read it first
+
+
+def _storage_key(t):
+    """An identity of ``t``'s storage while it lives (None for a tensor without one)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _is_tensor(x) -> bool:
@@ -115,17 +127,23 @@ class ExternalTensors:
                         self._before_write(t)
 
     def _before_write(self, t) -> None:
-        rec = self._reads.get(id(t))
-        if rec is None or rec.ref() is not t:
-            base = t._base
-            if base is None:
-                return
-            rec = self._reads.get(id(base))
-            if rec is None or rec.ref() is not base:
-                return
-            t = base
-        if rec.snapshot is None:
-            rec.snapshot = t.detach().clone() if t._version == rec.version else _LOST
+        # Every external tensor in the written storage: the one written, its base, other
+        # views of that base read elsewhere (`v = buf[:4]` read, `buf[4:]` written; FSDP2's
+        # all-gather input, a view of the buffer the collective writes): the value forward
+        # read is kept, whatever part the write touches.
+        storage = _storage_key(t)
+        if storage is None:
+            return
+        for rec in self._reads.values():
+            if rec.snapshot is not None or rec.storage != storage:
+                continue
+            u = rec.ref()
+            if u is None or _storage_key(u) != storage:
+                continue
+            rec.snapshot = u.detach().clone() if u._version == rec.version else _LOST
+            # through itself or a view of it the recompute replays the write on its copy;
+            # through another tensor it does not (end_forward checks the value)
+            rec.by_other = u is not t and t._base is not u
 
     def forward_outputs(self, out) -> None:
         """After an op of the forward ran: its outputs are the region's own tensors."""
@@ -144,6 +162,13 @@ class ExternalTensors:
         its schema (a custom kernel): the value forward read is unknown."""
         self._produced = None  # the ids were only needed to tell external tensors apart
         for rec in self._reads.values():
+            if rec.by_other and isinstance(rec.snapshot, _Tensor):
+                t = rec.ref()
+                if t is not None and not torch.equal(t, rec.snapshot):
+                    # an overlapping write through another tensor: reads after it saw the
+                    # new value, which the copy does not hold
+                    rec.snapshot = _OVERLAPPED
+                continue
             if rec.snapshot is None:
                 t = rec.ref()
                 if t is not None and t._version != rec.version:
@@ -171,6 +196,10 @@ class ExternalTensors:
                 t = rec.ref()
                 if t is not None and t._version != rec.version:
                     raise RuntimeError(self._modified_message(t, rec.op, rec.version))
+            elif snap is _OVERLAPPED:
+                t = rec.ref()
+                if t is not None:
+                    raise RuntimeError(self._overlapped_message(t))
             elif snap is _UNDECLARED:
                 t = rec.ref()
                 if t is not None:
@@ -228,6 +257,8 @@ class ExternalTensors:
             if t._version != rec.version:
                 raise RuntimeError(self._modified_message(t, op_name, rec.version))
             return t
+        if snap is _OVERLAPPED:
+            raise RuntimeError(self._overlapped_message(t))
         if snap is _LOST or snap is _UNDECLARED:
             raise RuntimeError(
                 f"hyper_parallel: the recompute of a checkpoint region needs the value that "
@@ -239,6 +270,14 @@ class ExternalTensors:
         if shadow is None:
             shadow = self._shadows[id(t)] = snap.clone()
         return shadow
+
+    def _overlapped_message(self, t) -> str:
+        return (f"hyper_parallel: the recompute of a checkpoint region reads {self._name(t)}, "
+                "whose value the region's forward changed after reading it by writing another "
+                "tensor of the same memory (its base or another view of it): the recompute "
+                "cannot replay that. Write through the tensor the region reads (or a view of "
+                "it), clone it before the region reads it, or move the write out of the "
+                "checkpointed function.")
 
     def _name(self, t) -> str:
         return tensor_name(t, self._describe)
