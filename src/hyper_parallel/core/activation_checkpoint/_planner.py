@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -516,13 +517,15 @@ def parse_budget(text: str | int | float, none_peak_bytes: int | None = None, *,
             negative, a fraction of bytes, more than 2**63 - 1 bytes; a fraction without
             ``none_peak_bytes``.
     """
-    if isinstance(text, bool) or not isinstance(text, (int, float, str)):
+    # numbers.Integral / Real: NumPy's scalars too (np.int64 from a computed budget)
+    if isinstance(text, bool) or not isinstance(text, (numbers.Real, str)):
         raise ValueError(f"hyper_parallel: {name} {text!r} is not a size; pass bytes (an "
                          "int), a size string (300MiB, 2GB) or a fraction of none's peak (0.4)")
-    if isinstance(text, int):
+    if isinstance(text, numbers.Integral):
         value, unit, fraction = float(text), "", False
-    elif isinstance(text, float):
-        value, unit, fraction = text, "", 0 < text <= 1
+    elif isinstance(text, numbers.Real):
+        value = float(text)
+        unit, fraction = "", 0 < value <= 1
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
         if not m or m.group(2).lower() not in _UNITS:

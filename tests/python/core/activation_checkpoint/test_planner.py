@@ -291,6 +291,19 @@ def test_parse_budget():
         parse_budget("0.4")
 
 
+def test_parse_budget_takes_numpy_scalars():
+    """Tester: a budget computed with NumPy (np.int64, np.float32) was refused as not a
+    size."""
+    np = pytest.importorskip("numpy")
+    assert parse_budget(np.int64(12345)) == 12345
+    assert parse_budget(np.float64(0.25), 1000) == 250
+    assert parse_budget(np.float32(0.5), 1000) == 500
+    assert parse_budget(np.float64(4096.0)) == 4096
+    for bad in (np.bool_(True), np.float64("nan"), np.int32(-3), np.float64(1.5)):
+        with pytest.raises(ValueError, match="hyper_parallel:"):
+            parse_budget(bad, 1000)
+
+
 def test_bad_budget_is_refused_before_profiling():
     model, x = _setup(layers=2)
     steps = []
