@@ -3,6 +3,7 @@
 #include "hyper_parallel/activation/OpPolicyTable.h"
 #include "hyper_parallel/common/Macros.h"
 
+#include <ATen/ops/view_as_real.h>
 #include <c10/core/GradMode.h>
 
 #include <sstream>
@@ -35,6 +36,19 @@ at::Tensor copy_of(const at::Tensor& t) {
   return t.detach().clone();
 }
 
+// Whether two tensors of one shape and dtype hold the same bytes (NaNs included, which
+// Tensor::equal calls unequal).
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  at::Tensor x = a.detach().reshape({-1}).contiguous();
+  at::Tensor y = b.detach().reshape({-1}).contiguous();
+  if (x.is_complex()) {
+    x = at::view_as_real(x);
+    y = at::view_as_real(y);
+  }
+  if (x.scalar_type() == at::kBool) return x.equal(y);
+  return x.view(at::kByte).equal(y.view(at::kByte));
+}
+
 }  // namespace
 
 ExternalReads::Read* ExternalReads::find(const at::Tensor& t) {
@@ -55,6 +69,7 @@ void ExternalReads::note(const at::Tensor& t, int64_t op_key) {
   Read r(t);
   r.version = t._version();
   r.op_key = op_key;
+  if (r.storage != nullptr) by_storage_[r.storage].push_back(impl);
   reads_.insert_or_assign(impl, std::move(r));
 }
 
@@ -74,7 +89,12 @@ void ExternalReads::before_write(const at::Tensor& t) {
   // of that base (their values forward read are kept, whatever part the write touches).
   if (!t.has_storage()) return;
   const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-  for (auto& [impl, rec] : reads_) {
+  const auto holders = by_storage_.find(storage);
+  if (holders == by_storage_.end()) return;
+  for (const c10::TensorImpl* impl : holders->second) {
+    const auto it = reads_.find(impl);
+    if (it == reads_.end()) continue;
+    Read& rec = it->second;
     if (rec.snap != Snap::kNone || rec.storage != storage) continue;
     auto p = rec.ref.lock();
     if (!p) continue;
@@ -83,9 +103,11 @@ void ExternalReads::before_write(const at::Tensor& t) {
     if (u._version() == rec.version) {
       rec.snapshot = copy_of(u);
       rec.snap = Snap::kValue;
-      // Through itself or a view of it, the recompute replays the write on its copy;
-      // through another tensor (its base, a sibling view) it does not.
-      rec.by_other = !u.is_same(t) && !(t.is_view() && t._base().is_same(u));
+      // Through itself, or a view of it the region made (the recompute makes it again from
+      // u's copy), the recompute replays the write on u's copy; through another tensor
+      // (its base, an outside view) it does not: end_forward() checks the value.
+      rec.by_other = !u.is_same(t) && !(t.is_view() && t._base().is_same(u) &&
+                                        produced_.count(t.unsafeGetTensorImpl()) > 0);
     } else {
       rec.snap = Snap::kLost;  // written before, by an op that did not declare it
     }
@@ -106,7 +128,7 @@ void ExternalReads::end_forward() {
   for (auto& [impl, rec] : reads_) {
     if (rec.snap == Snap::kValue && rec.by_other) {
       auto p = rec.ref.lock();
-      if (p && !at::Tensor(std::move(p)).equal(rec.snapshot)) {
+      if (p && !same_bits(at::Tensor(std::move(p)), rec.snapshot)) {
         rec.snap = Snap::kOverlapped;
         rec.snapshot = at::Tensor();
       }

@@ -103,6 +103,10 @@ class ExternalReads {
 
   Describe describe_;
   std::unordered_map<const c10::TensorImpl*, Read> reads_;
+  // The reads of each storage (before_write() looks up the written one instead of
+  // scanning every read: a region reading thousands of outside tensors and writing its
+  // own temporaries in place paid reads x writes).
+  std::unordered_map<const c10::StorageImpl*, std::vector<const c10::TensorImpl*>> by_storage_;
   std::unordered_set<const c10::TensorImpl*> produced_;
   bool forward_over_ = false;
   std::unordered_map<const c10::TensorImpl*, at::Tensor> shadows_;

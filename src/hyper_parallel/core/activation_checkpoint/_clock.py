@@ -21,7 +21,8 @@ On an accelerator the device runs on while the host thread waits for a CPU, so
 a step that the device, not the host, paces.
 
 Thread-safety: each thread reads its own statistics through a file it opens once (kept in
-a ``threading.local``, closed when the thread ends). A reading costs about 2.5 us.
+a ``threading.local``, closed when the thread ends; a forked child opens its own). A
+reading costs about 2.5 us.
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ import torch
 _SCHEDSTAT = "/proc/thread-self/schedstat"
 _local = threading.local()
 _available: bool | None = None
+
+
+def _after_fork_in_child() -> None:
+    # The open files name the parent's threads (/proc/thread-self resolves when opened): a
+    # forked child reads its own from a fresh local.
+    global _local
+    _local = threading.local()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _run_queue_wait_s() -> float | None:

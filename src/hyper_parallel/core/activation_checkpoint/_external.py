@@ -60,6 +60,16 @@ def _storage_key(t):
         return None
 
 
+def _same_bits(a, b) -> bool:
+    """Whether two tensors of one shape and dtype hold the same bytes (NaNs included)."""
+    a, b = a.detach().reshape(-1).contiguous(), b.detach().reshape(-1).contiguous()
+    if a.dtype.is_complex:
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.dtype == torch.bool:
+        return torch.equal(a, b)
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def _is_tensor(x) -> bool:
     return isinstance(x, _Tensor)
 
@@ -95,10 +105,13 @@ class ExternalTensors:
             messages (e.g. ``"buffer 'bn.running_mean'"``), or ``None``.
     """
 
-    __slots__ = ("_reads", "_produced", "_shadows", "_describe")
+    __slots__ = ("_reads", "_produced", "_shadows", "_describe", "_by_storage")
 
     def __init__(self, describe=None) -> None:
         self._reads: dict = {}
+        # the reads of each storage: a write looks its storage up instead of scanning
+        # every read (reads x writes in a region reading thousands of outside tensors)
+        self._by_storage: dict = {}
         self._produced: set | None = set()
         self._shadows: dict = {}
         self._describe = describe
@@ -113,18 +126,24 @@ class ExternalTensors:
         for t in iter_tensors(args):
             key = id(t)
             if key not in reads and key not in produced:
-                reads[key] = _Read(t, op)
+                self._note(key, t, op)
         if kwargs:
             for t in iter_tensors(kwargs.values()):
                 key = id(t)
                 if key not in reads and key not in produced:
-                    reads[key] = _Read(t, op)
+                    self._note(key, t, op)
         if writes:
-            for i in writes:
-                target = kwargs.get("out") if i < 0 else (args[i] if i < len(args) else None)
+            for i in writes:  # positions, or names of kwarg-only arguments (out=, max=)
+                target = kwargs.get(i) if isinstance(i, str) else (
+                    args[i] if i < len(args) else None)
                 if target is not None:
                     for t in iter_tensors((target,)):
                         self._before_write(t)
+
+    def _note(self, key, t, op: str) -> None:
+        rec = self._reads[key] = _Read(t, op)
+        if rec.storage is not None:
+            self._by_storage.setdefault(rec.storage, []).append(rec)
 
     def _before_write(self, t) -> None:
         # Every external tensor in the written storage: the one written, its base, other
@@ -134,16 +153,17 @@ class ExternalTensors:
         storage = _storage_key(t)
         if storage is None:
             return
-        for rec in self._reads.values():
-            if rec.snapshot is not None or rec.storage != storage:
+        for rec in self._by_storage.get(storage, ()):
+            if rec.snapshot is not None:
                 continue
             u = rec.ref()
             if u is None or _storage_key(u) != storage:
                 continue
             rec.snapshot = u.detach().clone() if u._version == rec.version else _LOST
-            # through itself or a view of it the recompute replays the write on its copy;
-            # through another tensor it does not (end_forward checks the value)
-            rec.by_other = u is not t and t._base is not u
+            # Through itself, or a view of it the region made (the recompute makes it again
+            # from u's copy), the recompute replays the write on u's copy; through another
+            # tensor (its base, an outside view) it does not: end_forward checks the value.
+            rec.by_other = u is not t and not (t._base is u and id(t) in self._produced)
 
     def forward_outputs(self, out) -> None:
         """After an op of the forward ran: its outputs are the region's own tensors."""
@@ -164,7 +184,7 @@ class ExternalTensors:
         for rec in self._reads.values():
             if rec.by_other and isinstance(rec.snapshot, _Tensor):
                 t = rec.ref()
-                if t is not None and not torch.equal(t, rec.snapshot):
+                if t is not None and not _same_bits(t, rec.snapshot):
                     # an overlapping write through another tensor: reads after it saw the
                     # new value, which the copy does not hold
                     rec.snapshot = _OVERLAPPED

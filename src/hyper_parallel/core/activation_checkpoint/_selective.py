@@ -103,7 +103,9 @@ class _OpInfo:
         self.key = key  # -1: never cached (see module docstring)
         self.name = name
         self.kind = kind
-        self.writes = writes  # argument positions the op writes (-1: the out= kwarg)
+        # what the op writes: schema positions of positional arguments, names of kwarg-only
+        # ones (out=, or max.dim_max's max= and max_values=)
+        self.writes = writes
         self.seeded = seeded  # a random op: cached with its RngStep (module docstring)
 
 
@@ -136,7 +138,7 @@ def _written_args(func) -> tuple:
     out = []
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
-            out.append(-1 if arg.kwarg_only else i)
+            out.append(arg.name if arg.kwarg_only else i)
     return tuple(out)
 
 
@@ -214,10 +216,9 @@ def _native_facts(name: str):
     if func is None:
         return None
     info = _op_info(func)
-    writes = {i for i in info.writes if i >= 0}
-    if -1 in info.writes:  # kwarg-only (out=) arguments: their schema positions
-        writes |= {i for i, a in enumerate(func._schema.arguments)
-                   if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write}
+    named = {w for w in info.writes if isinstance(w, str)}  # kwarg-only: schema positions
+    writes = {w for w in info.writes if not isinstance(w, str)}
+    writes |= {i for i, a in enumerate(func._schema.arguments) if a.name in named}
     return info.key, info.kind, tuple(sorted(writes)), func is _TO_COPY, info.seeded
 
 
@@ -424,7 +425,8 @@ class _CachingMode(TorchDispatchMode):
             # a write to a cached output's storage through another version counter
             # (aten::_unsafe_view's output): the entry is demoted (SacCache.h)
             for i in info.writes:
-                target = kwargs.get("out") if i < 0 else (args[i] if i < len(args) else None)
+                target = kwargs.get(i) if isinstance(i, str) else (
+                    args[i] if i < len(args) else None)
                 if target is not None:
                     st.cache.before_write(target)
         if st.rstate.excluding:  # inside a checkpoint_exclude_wrapper (not replayed)

@@ -102,3 +102,32 @@ def test_without_scheduler_statistics_it_is_the_wall_clock(monkeypatch):
     assert _clock.step_clock("cpu") is time.perf_counter
     w = time.perf_counter()
     assert abs(_clock.unpreempted_clock() - w) < 0.1
+
+
+@needs_schedstat
+def test_a_forked_child_reads_its_own_statistics():
+    """The per-thread file names the thread that opened it: after os.fork() the child read
+    its parent's run-queue wait (tester). The child reopens its own."""
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork")
+    unpreempted_clock()  # the parent's file is open
+    parent_file = _clock._local.schedstat
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report whether it opened a file of its own
+        ok = 0
+        try:
+            unpreempted_clock()
+            mine = getattr(_clock._local, "schedstat", None)
+            with open(f"/proc/self/task/{os.getpid()}/schedstat", "rb") as own:
+                expected = own.read().split()[1]
+            got = os.pread(mine.fileno(), 96, 0).split()[1] if mine is not None else b""
+            ok = int(mine is not None and mine is not parent_file and got == expected)
+        finally:
+            os.write(w, bytes([ok]))
+            os._exit(0)
+    os.close(w)
+    answer = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert answer == b"\x01"

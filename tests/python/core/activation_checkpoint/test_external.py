@@ -216,6 +216,70 @@ def test_a_write_through_a_view_of_what_was_read_is_replayed(ckpt):
     assert torch.equal(run(ckpt), run(_plain))
 
 
+def test_a_write_through_an_outside_view_of_what_was_read_is_a_clear_error(ckpt):
+    """`tail = buf[4:]` made outside the region, buf read, tail written, buf read again: the
+    recompute would write tail's own copy, not buf's, and read buf's stale copy (tester:
+    silently wrong by up to 31 in every mode, after the storage-wide copy). The write went
+    through another tensor and changed buf: an error."""
+    torch.manual_seed(0)
+    x = torch.randn(8, requires_grad=True)
+    buf = torch.randn(8)
+    tail = buf[4:]
+
+    def f(x):
+        a = (x * (buf * 2)).sum()
+        tail.add_(1.0)
+        return a + (x * (buf * 3)).sum()
+
+    with pytest.raises(RuntimeError, match=r"hyper_parallel: the recompute of a checkpoint "
+                                           r"region reads a tensor from outside the region "
+                                           r"\(shape \[8\], torch.float32\), whose value the "
+                                           r"region's forward changed"):
+        ckpt(f, x).backward()
+
+
+def test_a_nan_in_an_untouched_view_is_not_a_change(ckpt):
+    """The end-of-forward check compares bytes: a NaN in a view the write did not touch
+    made it look changed (tester: a false error in every mode)."""
+
+    def run(call):
+        torch.manual_seed(0)
+        x = torch.randn(4, requires_grad=True)
+        buf = torch.randn(8)
+        buf[5] = float("nan")
+        v, w = buf[:4], buf[4:]
+
+        def f(x):
+            a = (x * (v * 2)).sum() + (x[:1] * w.nan_to_num()[:1]).sum()
+            v.add_(1)
+            return a + (x * (v * 3)).sum()
+
+        call(f, x).backward()
+        return x.grad
+
+    assert torch.equal(run(ckpt), run(_plain))
+
+
+def test_writes_to_keyword_only_outputs_of_any_name_are_seen(ckpt):
+    """aten.max.dim_max writes its keyword-only `max` and `max_values`: the Python path
+    looked up kwargs["out"] only, and backward raised "undeclared write" (tester)."""
+
+    def run(call):
+        vals, idx = torch.zeros(3), torch.zeros(3, dtype=torch.long)
+        torch.manual_seed(0)
+        x = torch.randn(4, 3, requires_grad=True)
+
+        def f(x):
+            with torch.no_grad():
+                torch.max(x.detach(), 0, out=(vals, idx))
+            return ((x * 2).sin() * vals).sum()
+
+        call(f, x).backward()
+        return x.grad
+
+    assert torch.equal(run(ckpt), run(_plain))
+
+
 # ------------------------------------------------------------------ 5. forward-only loops
 
 def test_forward_only_loop_frees_each_output_when_dropped(ckpt):
