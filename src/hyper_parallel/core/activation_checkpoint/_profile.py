@@ -810,7 +810,14 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
     params = list(model.parameters())
     device = model_device(model)
     if not _can_swap(device):
+        dropped = [n for n in names if STRATEGIES[n].swaps]
         names = [n for n in names if not STRATEGIES[n].swaps]
+        if dropped and candidates is not None:  # asked for by name: say why they are gone
+            warnings.warn(
+                f"hyper_parallel: the swapping candidates {dropped} are not planned: the model "
+                "is on the host and CPU swap is off, so nothing could be swapped. Turn it on "
+                "(SwapManager().set_cpu_swap(True), or HYPER_PARALLEL_CPU_SWAP=1) to plan "
+                "them.", UserWarning, stacklevel=2)
     slots = resolve_layer_slots(model, layers)
     layer_names = [s.name for s in slots]
     runs: dict[str, dict] = {}

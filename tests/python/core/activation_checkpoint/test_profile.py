@@ -617,3 +617,24 @@ def test_what_the_caller_holds_through_the_backward_stays_counted(held):
     plan = profile.plan(budget)
     assert plan.predicted_peak_bytes <= budget
     assert applied_peak(model, step, plan.strategies) <= budget
+
+
+def test_swapping_candidates_asked_for_without_cpu_swap_are_named_in_a_warning():
+    """Tester: candidates=["none", "swap"] on a host model with CPU swap off planned "none"
+    alone and said nothing about why swap was gone."""
+    from hyper_parallel.core.activation_checkpoint import profile_activation_memory
+
+    manager = SwapManager()
+    was = manager.cpu_swap_enabled()
+    manager.set_cpu_swap(False)
+    try:
+        model = Stack(2)
+        x = torch.randn(4, 32)
+        with pytest.warns(UserWarning, match=r"hyper_parallel: the swapping candidates "
+                                             r"\['swap'\] are not planned: the model is on "
+                                             r"the host and CPU swap is off"):
+            profile = profile_activation_memory(model, lambda: model(x).sum().backward(),
+                                                candidates=["none", "swap"], repeats=1)
+        assert profile.strategies == ["none"]
+    finally:
+        manager.set_cpu_swap(was)
