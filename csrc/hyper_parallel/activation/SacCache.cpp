@@ -67,6 +67,7 @@ int64_t SacCache::record(int64_t op_key, CheckpointPolicy policy,
         holders.emplace_back(op_key, index);
       }
     }
+    watching_.store(!storages_.empty(), std::memory_order_release);
   }
   return index;
 }
@@ -83,11 +84,13 @@ void SacCache::for_entries_of(const at::Tensor& t, F&& f) {
 }
 
 void SacCache::before_write(const at::Tensor& t) {
+  if (!watching_.load(std::memory_order_acquire)) return;
   std::lock_guard<std::mutex> lock(mu_);
   for_entries_of(t, [](Entry& e) { e.written = true; });
 }
 
 void SacCache::watch(c10::ArrayRef<c10::IValue> outputs) {
+  if (!watching_.load(std::memory_order_acquire)) return;
   std::lock_guard<std::mutex> lock(mu_);
   if (forward_over_ || storages_.empty()) return;
   auto one = [this](const at::Tensor& t) {
@@ -120,6 +123,7 @@ std::vector<SacCache::Demoted> SacCache::end_forward() {
   std::lock_guard<std::mutex> lock(mu_);
   forward_over_ = true;
   storages_.clear();
+  watching_.store(false, std::memory_order_release);
   std::vector<Demoted> out;
   for (size_t op = 0; op < entries_.size(); ++op) {
     auto& calls = entries_[op];

@@ -45,6 +45,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -205,6 +206,9 @@ class SacCache {
   // filled by record(), emptied by end_forward() (forward_over_).
   std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<int64_t, int64_t>>> storages_;
   bool forward_over_ = false;
+  // !storages_.empty(), readable without mu_: before_write() and watch() run for every op
+  // of the forward, and most regions' ops come before anything is cached, or cache nothing.
+  std::atomic<bool> watching_{false};
   int64_t replays_ = 0;
 };
 

@@ -70,6 +70,16 @@ def _same_bits(a, b) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def written_targets(args, kwargs, writes):
+    """The arguments an op is about to write: ``writes`` holds schema positions of
+    positional arguments and names of kwarg-only ones (``out=``, ``max.dim_max``'s
+    ``max=``); those not passed are left out."""
+    for i in writes:
+        target = kwargs.get(i) if isinstance(i, str) else (args[i] if i < len(args) else None)
+        if target is not None:
+            yield target
+
+
 def _is_tensor(x) -> bool:
     return isinstance(x, _Tensor)
 
@@ -133,12 +143,8 @@ class ExternalTensors:
                 if key not in reads and key not in produced:
                     self._note(key, t, op)
         if writes:
-            for i in writes:  # positions, or names of kwarg-only arguments (out=, max=)
-                target = kwargs.get(i) if isinstance(i, str) else (
-                    args[i] if i < len(args) else None)
-                if target is not None:
-                    for t in iter_tensors((target,)):
-                        self._before_write(t)
+            for t in iter_tensors(tuple(written_targets(args, kwargs, writes))):
+                self._before_write(t)
 
     def _note(self, key, t, op: str) -> None:
         rec = self._reads[key] = _Read(t, op)

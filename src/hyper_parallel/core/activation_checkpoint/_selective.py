@@ -50,7 +50,7 @@ from hyper_parallel._extension import _C
 from . import _memory
 from ._collectives import FUNCTIONAL_NAMESPACES, Collectives, is_collective
 from ._errors import ArgumentKindError
-from ._external import ExternalTensors, iter_tensors, tensor_name
+from ._external import ExternalTensors, iter_tensors, tensor_name, written_targets
 from ._ignored_ops import is_sac_ignored
 from ._policy import CheckpointPolicy, to_policy
 from . import _recompute_state
@@ -424,11 +424,8 @@ class _CachingMode(TorchDispatchMode):
         if info.writes and st.cache is not None:
             # a write to a cached output's storage through another version counter
             # (aten::_unsafe_view's output): the entry is demoted (SacCache.h)
-            for i in info.writes:
-                target = kwargs.get(i) if isinstance(i, str) else (
-                    args[i] if i < len(args) else None)
-                if target is not None:
-                    st.cache.before_write(target)
+            for target in written_targets(args, kwargs, info.writes):
+                st.cache.before_write(target)
         if st.rstate.excluding:  # inside a checkpoint_exclude_wrapper (not replayed)
             out = func(*args, **kwargs)
             if st.cache is not None:
