@@ -26,7 +26,7 @@
 #include <optional>
 #include <type_traits>
 #include <utility>
-#include <unordered_set>
+#include <c10/util/SmallVector.h>
 
 namespace py = pybind11;
 
@@ -355,20 +355,27 @@ std::atomic<int64_t> g_backward_hooks{0};  // nodes given a BackwardStartHook (t
 // since).
 using NodePtr = std::decay_t<decltype(std::declval<const at::Tensor&>().grad_fn())>;
 
-void add_output_nodes(const py::handle& obj, std::unordered_set<torch::autograd::Node*>& seen,
-                      std::vector<NodePtr>& nodes, int depth) {
+// The distinct output nodes of a region, in the order first seen: a block returns one to a
+// few tensors, so a linear scan, inline, no allocation below 4.
+using OutputNodes = c10::SmallVector<NodePtr, 4>;
+
+void add_output_nodes(const py::handle& obj, OutputNodes& nodes, int depth) {
   if (THPVariable_Check(obj.ptr())) {
     const at::Tensor& t = THPVariable_Unpack(obj.ptr());
     auto fn = t.grad_fn();
-    if (fn && seen.insert(fn.get()).second) nodes.push_back(std::move(fn));
+    if (!fn) return;
+    for (const auto& seen : nodes) {
+      if (seen.get() == fn.get()) return;
+    }
+    nodes.push_back(std::move(fn));
     return;
   }
   if (depth > 8) return;
   if (PyTuple_Check(obj.ptr()) || PyList_Check(obj.ptr())) {
-    for (const py::handle item : obj) add_output_nodes(item, seen, nodes, depth + 1);
+    for (const py::handle item : obj) add_output_nodes(item, nodes, depth + 1);
   } else if (PyDict_Check(obj.ptr())) {
     for (const auto item : py::reinterpret_borrow<py::dict>(obj)) {
-      add_output_nodes(item.second, seen, nodes, depth + 1);
+      add_output_nodes(item.second, nodes, depth + 1);
     }
   }
 }
@@ -376,9 +383,8 @@ void add_output_nodes(const py::handle& obj, std::unordered_set<torch::autograd:
 // Adds one BackwardStartHook per distinct output node of `outputs` (a tensor, or tuples,
 // lists and dicts of them; other leaves are ignored). Returns how many nodes got one.
 int attach_backward(const std::shared_ptr<SwapGroup>& group, const py::handle& outputs) {
-  std::unordered_set<torch::autograd::Node*> seen;
-  std::vector<NodePtr> nodes;
-  add_output_nodes(outputs, seen, nodes, 0);
+  OutputNodes nodes;
+  add_output_nodes(outputs, nodes, 0);
   if (nodes.empty()) return 0;
   auto state = std::make_shared<BackwardStartState>();
   state->group = group;

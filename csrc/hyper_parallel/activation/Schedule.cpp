@@ -63,7 +63,9 @@ void Schedule::on_begin(const std::shared_ptr<SwapGroup>& group) {
           break;
         }
       }
-      if (queue.empty()) unlinked_.erase(it2);  // no entry per (layer, thread) left behind
+      // An emptied queue stays in the map: the next invocation of the predecessor on this
+      // thread reuses it (no map node or deque block per layer invocation). Queues of
+      // layers or threads that are gone are swept below once the map has grown.
     }
   }
   if (has_predecessor(layer) && group->prev.expired()) group->orphan = true;
@@ -74,6 +76,7 @@ void Schedule::on_begin(const std::shared_ptr<SwapGroup>& group) {
                             before->layer() == successor(layer);
     last = group;
   }
+  if (unlinked_.size() > sweep_at_) sweep_unlinked();
   auto& mine = unlinked_[Key{layer, thread}];
   // Invocations of a layer without successor invocations (the last layer, a layer whose
   // backward already ran) die with their graphs; drop them so the queue stays short.
@@ -116,6 +119,7 @@ bool Schedule::releases_at_forward_end(const SwapGroup& group) const {
 std::vector<std::shared_ptr<SwapGroup>> Schedule::prefetch_targets(
     const std::shared_ptr<SwapGroup>& group, int depth) const {
   std::vector<std::shared_ptr<SwapGroup>> out;
+  out.reserve(static_cast<size_t>(std::max(depth, 0)) + 1);
   out.push_back(group);
   auto cur = group;
   for (int i = 0; i < depth; ++i) {
@@ -124,6 +128,15 @@ std::vector<std::shared_ptr<SwapGroup>> Schedule::prefetch_targets(
     out.push_back(cur);
   }
   return out;
+}
+
+void Schedule::sweep_unlinked() {
+  for (auto it = unlinked_.begin(); it != unlinked_.end();) {
+    const bool live = std::any_of(it->second.begin(), it->second.end(),
+                                  [](const std::weak_ptr<SwapGroup>& w) { return !w.expired(); });
+    it = live ? std::next(it) : unlinked_.erase(it);
+  }
+  sweep_at_ = std::max<size_t>(kMinSweepAt, 2 * unlinked_.size());
 }
 
 size_t Schedule::layer_count() const {
@@ -145,6 +158,7 @@ void Schedule::clear() {
   next_of_.clear();
   prev_of_.clear();
   unlinked_.clear();
+  sweep_at_ = kMinSweepAt;
   last_begun_.clear();
 }
 

@@ -60,6 +60,8 @@ class Schedule {
   void clear();
   // Layers with a link or with invocations waiting to be linked (bookkeeping size, tests).
   size_t layer_count() const;
+  // Per-(layer, thread) queues held, empty ones included (bookkeeping size, tests).
+  size_t queue_count() const { return unlinked_.size(); }
 
  private:
   int64_t next_layer_id_ = 0;
@@ -76,7 +78,12 @@ class Schedule {
       return std::hash<int64_t>()(k.layer) * 31 + std::hash<std::thread::id>()(k.thread);
     }
   };
+  // Emptied queues are kept for reuse; sweep_unlinked() drops those holding no live
+  // invocation once the map outgrows sweep_at_ (threads and layers that are gone).
   std::unordered_map<Key, std::deque<std::weak_ptr<SwapGroup>>, KeyHash> unlinked_;
+  static constexpr size_t kMinSweepAt = 256;
+  size_t sweep_at_ = kMinSweepAt;
+  void sweep_unlinked();
   // Per thread: the invocation of a chained layer that began last.
   std::unordered_map<std::thread::id, std::weak_ptr<SwapGroup>> last_begun_;
 };

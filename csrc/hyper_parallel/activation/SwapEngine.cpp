@@ -336,9 +336,13 @@ void SwapEngine::backward_begin(const std::shared_ptr<SwapGroup>& group) {
   if (Trace::global().on()) Trace::global().backward_begin(trace_label(*group));
   counters_->prefetch_points += 1;
   count_kept_locked(*group);
-  for (const auto& g : schedule_.prefetch_targets(group, options_.prefetch_depth)) {
+  // schedule_.prefetch_targets's invocations, walked in place (no vector per backward start).
+  std::shared_ptr<SwapGroup> g = group;
+  const int depth = std::max(options_.prefetch_depth, 0);
+  for (int i = 0; g && i <= depth; ++i) {
     g->backward_started = true;  // its records stay on device from now on
     load_group_locked(g);
+    if (i < depth) g = g->prev.lock();
   }
 }
 
@@ -872,7 +876,13 @@ void SwapEngine::pump_offloads_locked(const SwapGroup& ending) {
     collect_d2h_ = nullptr;
     if (!submitted.empty()) offloads_in_flight_.push_back(std::move(submitted));
   }
-  if (queue.empty()) pending_offloads_.erase(it);
+  // An emptied queue stays for this thread's next release point (no map node per layer);
+  // queues of threads that are gone are dropped once there are many.
+  if (queue.empty() && pending_offloads_.size() > kMaxIdleOffloadQueues) {
+    for (auto q = pending_offloads_.begin(); q != pending_offloads_.end();) {
+      q = q->second.empty() ? pending_offloads_.erase(q) : std::next(q);
+    }
+  }
 }
 
 void SwapEngine::retry_deferred_locked() {

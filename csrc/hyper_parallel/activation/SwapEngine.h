@@ -228,8 +228,11 @@ class SwapEngine {
   // that thread's later release points retry them (never another thread's forward).
   std::unordered_map<std::thread::id, std::vector<std::weak_ptr<StorageRecord>>> deferred_;
   // Released invocations whose offload waits for the window, per forward thread, oldest
-  // first (only that thread's release points submit them, as for deferred_).
+  // first (only that thread's release points submit them, as for deferred_). A thread's
+  // emptied queue is kept for its next release point; empty queues are dropped once there
+  // are more than kMaxIdleOffloadQueues (threads that are gone).
   std::unordered_map<std::thread::id, std::deque<std::weak_ptr<SwapGroup>>> pending_offloads_;
+  static constexpr size_t kMaxIdleOffloadQueues = 64;
   // D2H events of the invocations submitted through the window that may be in flight.
   std::deque<std::vector<CopyEventPtr>> offloads_in_flight_;
   std::vector<CopyEventPtr>* collect_d2h_ = nullptr;  // set while the pump submits a group

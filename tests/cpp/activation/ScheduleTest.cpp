@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace hyper_parallel::activation {
@@ -102,6 +103,39 @@ TEST(ScheduleTest, RemovedLayersLeaveNoBookkeeping) {
   c.s.remove_layer(a);
   c.s.remove_layer(b);
   EXPECT_EQ(c.s.layer_count(), 3u);
+}
+
+// A thread's emptied queue is reused by the layer's next invocation (steady state: one
+// queue per layer and thread, whichever thread runs the step), and queues holding no live
+// invocation (layers no longer run, threads that are gone) are swept once the map has
+// grown: a program that builds a new pair of layers per step does not grow it.
+TEST(ScheduleTest, InvocationQueuesAreReusedAndSweptWhenNothingLiveIsInThem) {
+  Chain c;
+  int64_t id = 0;
+  auto step = [&] {
+    std::vector<std::shared_ptr<SwapGroup>> live;
+    for (int64_t l : {c.l0, c.l1, c.l2}) {
+      live.push_back(make_group(id++, l));
+      c.s.on_begin(live.back());
+    }
+    EXPECT_EQ(live[1]->prev.lock(), live[0]);
+    EXPECT_EQ(live[2]->prev.lock(), live[1]);
+  };
+  for (int i = 0; i < 100; ++i) step();
+  EXPECT_EQ(c.s.queue_count(), 3u);
+  std::thread other(step);
+  other.join();
+  EXPECT_LE(c.s.queue_count(), 6u);
+  for (int i = 0; i < 1000; ++i) {
+    const int64_t a = c.s.new_layer(), b = c.s.new_layer();
+    c.s.link(a, b);
+    auto ga = make_group(id++, a), gb = make_group(id++, b);
+    c.s.on_begin(ga);
+    c.s.on_begin(gb);
+    EXPECT_EQ(gb->prev.lock(), ga);
+  }
+  EXPECT_LE(c.s.queue_count(), 256u + 2u);
+  step();
 }
 
 TEST(ScheduleTest, RemoveLayerForgetsBothLinks) {
