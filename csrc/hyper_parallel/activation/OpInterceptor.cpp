@@ -4,7 +4,6 @@
 #include "hyper_parallel/activation/SwapEngine.h"
 #include "hyper_parallel/common/Macros.h"
 
-#include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
@@ -97,11 +96,13 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
   regions.back()->handle(op, ks, stack, regions.size() - 1);
 }
 
+// A cast of a leaf that requires grad (a weight): never cached nor counted, whether or not
+// autocast made it (_selective._weight_cast: autocast's cached casts run in recompute but
+// not in a forward that found them cached, and autocast's state cannot tell them apart).
 bool is_weight_cast(c10::ArrayRef<c10::IValue> args) {
   if (args.empty() || !args[0].isTensor()) return false;
   const at::Tensor& t = args[0].toTensor();
-  return t.defined() && t.is_leaf() && t.requires_grad() &&
-         at::autocast::is_autocast_enabled(t.device().type());
+  return t.defined() && t.is_leaf() && t.requires_grad();
 }
 
 bool cacheable_leaf(const c10::IValue& v) {

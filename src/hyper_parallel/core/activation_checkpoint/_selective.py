@@ -238,19 +238,21 @@ def _native_collective(state_ref, name, args, kwargs, recompute):
     return out
 
 
-def _autocast_weight_cast(func, args) -> bool:
-    """Whether ``func(*args)`` is autocast casting a leaf that requires grad (a weight).
+def _weight_cast(func, args) -> bool:
+    """Whether ``func(*args)`` casts a leaf that requires grad (a weight): never cached nor
+    counted.
 
-    Autocast caches those casts for the rest of the outermost autocast block, so a region
-    that uses a weight another region already cast does not run the cast in forward, but
-    its recompute (a new autocast block in backward) does. Such casts are never cached and
-    not counted, so the calls of every other op still line up (and autocast's cache keeps
-    doing the work of saving them)."""
+    Autocast caches its casts of weights for the rest of the outermost autocast block, so a
+    region that uses a weight cast earlier in the block runs no cast in forward, while its
+    recompute (a new autocast block in backward) does; counted, that cast would take the
+    call index of another cast the forward cached and be handed its output. Autocast's own
+    state cannot tell its casts apart (its dispatch key is excluded inside its kernels, as
+    when it is off), so every cast of a weight is recomputed, which is cheap, and the calls
+    of every other op still line up."""
     if func is not _TO_COPY or not args:
         return False
     t = args[0]
-    return (isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
-            and torch.is_autocast_enabled(t.device.type))
+    return isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
 
 
 _warned_uncacheable: set = set()
@@ -447,7 +449,7 @@ class _CachingMode(TorchDispatchMode):
             st.collectives.record(func, args, out,
                                   st.keep_collective(info, func, args, kwargs, out))
             return out
-        if kind != _PLAIN or st.cache is None or _autocast_weight_cast(func, args):
+        if kind != _PLAIN or st.cache is None or _weight_cast(func, args):
             return out
         if st.policy_fn is None:
             res = None
@@ -507,7 +509,7 @@ class _CachedMode(TorchDispatchMode):
         kind = info.kind
         if kind == _COLLECTIVE:
             return st.collectives.replay(func, args, kwargs, _C.backward_keeps_graph())
-        if kind != _PLAIN or st.cache is None or _autocast_weight_cast(func, args):
+        if kind != _PLAIN or st.cache is None or _weight_cast(func, args):
             return func(*args, **kwargs)
         if st.policy_fn is not None:
             _check(st.policy_fn(SelectiveCheckpointContext(True), func, *args, **kwargs), info)
@@ -617,7 +619,7 @@ class _ReplayShield(TorchDispatchMode):
             kwargs = {}
         info = _OP_INFO.get(func) or _op_info(func)
         if (info.kind == _PLAIN and self._cache.next_is_cached(info.key)
-                and not _autocast_weight_cast(func, args) and _plain_tensors(args, kwargs)):
+                and not _weight_cast(func, args) and _plain_tensors(args, kwargs)):
             with torch._C._DisableTorchDispatch():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)

@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from hyper_parallel.core.activation_checkpoint import (  # noqa: E402
     STRATEGIES,
+    CheckpointPolicy,
     SwapManager,
     apply_activation_memory,
     find_layers,
@@ -417,3 +418,28 @@ def test_t5_trains_bitwise(plan, host_swap):
         assert torch.equal(losses[step], ref_losses[step]), (plan, step)
         for a, b in zip(grads[step], ref_grads[step]):
             assert torch.equal(a, b), (plan, step, (a - b).abs().max())
+
+
+@pytest.mark.parametrize("policy", ["save_all", "save_casts"])
+def test_micro_batches_in_one_autocast_block_with_a_cast_caching_policy(policy):
+    """Two micro-batches' forwards in one autocast block, one backward (a tester): the
+    second forward takes every weight cast from autocast's cache while its recompute runs
+    them, and a policy that caches `_to_copy` handed the recompute's weight casts the
+    cached outputs of other casts (an unrelated 3-D tensor as a weight; where shapes
+    matched, silently wrong gradients)."""
+    policies = {"save_all": {"*": CheckpointPolicy.MUST_SAVE},
+                "save_casts": [torch.ops.aten._to_copy.default]}
+
+    def step(model):
+        torch.manual_seed(1)
+        data = [torch.randint(0, VOCAB, (2, 12)) for _ in range(2)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = sum(model(input_ids=ids, labels=ids, use_cache=False).loss for ids in data)
+        loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    ref = step(tiny_llama(layers=2))
+    model = tiny_llama(layers=2)
+    apply_activation_memory(model, "selective", policy_fn=policies[policy])
+    got = step(model)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))

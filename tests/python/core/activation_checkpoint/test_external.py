@@ -64,6 +64,46 @@ def test_autocast_weight_cast_shared_by_sibling_selective_regions(ckpt):
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
+def _shared_weight_then_a_cached_cast(call):
+    """A region that uses a weight autocast already cast in the same block (its forward runs
+    no cast of it, its recompute does) and casts another tensor itself, a cast the policy
+    caches: the recompute's weight cast must not be handed the other cast's output."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8, bias=False)
+    x = torch.randn(8, 8, requires_grad=True)
+    m = torch.randn(8, 8) * 100
+
+    def block(h, extra):
+        return lin(h) + extra.to(torch.bfloat16)  # the add saves nothing
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = call(block, lin(x), m)
+        loss = h.float().pow(2).sum()
+    loss.backward()
+    return x.grad, lin.weight.grad
+
+
+CAST_POLICIES = {
+    "declarative": [aten._to_copy.default],
+    "callable": lambda ctx, op, *a, **k: (P.MUST_SAVE if op is aten._to_copy.default
+                                          else P.PREFER_RECOMPUTE),
+    "must_swap": {aten._to_copy.default: P.MUST_SWAP},
+    "save_all": lambda ctx, op, *a, **k: P.PREFER_SAVE,
+}
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["cpp", "python-modes"])
+@pytest.mark.parametrize("policy", list(CAST_POLICIES))
+def test_a_cast_cached_in_a_region_is_not_handed_to_an_autocast_weight_cast(
+        monkeypatch, cpu_swap, policy, native):
+    from hyper_parallel.core.activation_checkpoint import _selective
+    monkeypatch.setattr(_selective, "NATIVE", native and _selective.NATIVE)
+    got = _shared_weight_then_a_cached_cast(
+        lambda fn, *args: checkpoint(fn, *args, policy_fn=CAST_POLICIES[policy]))
+    ref = _shared_weight_then_a_cached_cast(_plain)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
 # ------------------------------------------------------------------ 2. module state in forward
 
 def _batchnorm_steps(call, steps=5, through_lambda=False):
