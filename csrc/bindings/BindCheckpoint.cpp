@@ -71,6 +71,33 @@ py::object from_ivalue(c10::IValue&& v) {
   return py::none();
 }
 
+// SacCache::input_signature of a Python op call: the tensors among `args` (a tuple) and
+// `kwargs` (a dict) in order, nested lists and tuples included. 0 (unchecked) for None.
+uint64_t mix_py(uint64_t h, PyObject* o, int depth) {
+  if (THPVariable_Check(o)) {
+    const at::Tensor& t = THPVariable_Unpack(o);
+    return t.defined() ? SacCache::mix_signature(h, t) : h;
+  }
+  if (depth < 4 && (PyTuple_Check(o) || PyList_Check(o))) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+    PyObject** items = PySequence_Fast_ITEMS(o);
+    for (Py_ssize_t i = 0; i < n; ++i) h = mix_py(h, items[i], depth + 1);
+  }
+  return h;
+}
+
+uint64_t py_input_signature(const py::handle& args, const py::handle& kwargs) {
+  if (args.is_none()) return 0;
+  uint64_t h = mix_py(SacCache::kSignatureSeed, args.ptr(), 0);
+  if (!kwargs.is_none() && PyDict_Check(kwargs.ptr())) {
+    PyObject* key = nullptr;
+    PyObject* value = nullptr;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(kwargs.ptr(), &pos, &key, &value)) h = mix_py(h, value, 1);
+  }
+  return h == 0 ? 1 : h;
+}
+
 py::object from_replay(SacCache::Replay&& r) {
   if (r.kind == OutputKind::kSingle) {
     HP_INTERNAL_ASSERT(r.outputs.size() == 1, "a single output cached as ", r.outputs.size());
@@ -158,7 +185,7 @@ csrc/hyper_parallel/activation/SacCache.h.)doc")
       })
       .def("record",
            [](SacCache& c, int64_t op_key, const py::handle& out, const py::object& policy,
-              std::optional<RngStep> rng) {
+              std::optional<RngStep> rng, const py::handle& args, const py::handle& kwargs) {
              const CheckpointPolicy p =
                  policy.is_none() ? c.table_policy(op_key) : policy.cast<CheckpointPolicy>();
              std::vector<c10::IValue> values;
@@ -173,13 +200,17 @@ csrc/hyper_parallel/activation/SacCache.h.)doc")
              }
              std::shared_ptr<SwapGroup> group;
              if (is_swap(p)) group = SwapEngine::global().current_group();
-             c.record(op_key, p, values, kind, group, std::move(rng));
+             c.record(op_key, p, values, kind, group, std::move(rng),
+                      py_input_signature(args, kwargs));
              return true;
            },
            py::arg("op_key"), py::arg("output"), py::arg("policy") = py::none(),
-           py::arg("rng") = py::none(),
+           py::arg("rng") = py::none(), py::arg("args") = py::none(),
+           py::arg("kwargs") = py::none(),
            "Records the next call of op_key in forward with `policy` (None: the table's); "
            "`rng`: a random op's RngStep (after() called), replayed with its outputs. "
+           "`args`, `kwargs`: the call's arguments, whose tensors' dtypes and shapes replay "
+           "checks (None: not checked). "
            "Returns False when the output could not be cached (a tensor subclass, SymInt, ...) "
            "and the call was recorded as 'recompute' instead.")
       .def("end_forward",
@@ -231,19 +262,23 @@ csrc/hyper_parallel/activation/SacCache.h.)doc")
            "output's storage through another version counter are watched (SacCache.h).")
       .def("begin_recompute", &SacCache::begin_recompute)
       .def("replay",
-           [](SacCache& c, int64_t op_key) -> py::object {
+           [](SacCache& c, int64_t op_key, const py::handle& args,
+              const py::handle& kwargs) -> py::object {
              const bool retain = backward_keeps_graph();
+             const uint64_t inputs = py_input_signature(args, kwargs);
              SacCache::Replay r;
              {
                py::gil_scoped_release no_gil;  // may wait for a reload
-               r = c.replay(op_key, retain);
+               r = c.replay(op_key, retain, inputs);
              }
              if (r.recompute) return *recompute_marker;
              return from_replay(std::move(r));
            },
-           py::arg("op_key"),
+           py::arg("op_key"), py::arg("args") = py::none(), py::arg("kwargs") = py::none(),
            "The cached outputs of the next call of op_key in this recompute pass, or "
-           "SAC_RECOMPUTE when the op must run again.")
+           "SAC_RECOMPUTE when the op must run again. `args`, `kwargs`: the recompute call's "
+           "arguments; a cached call whose forward had tensors of other dtypes or shapes "
+           "there raises (the recomputed op sequence differs).")
       .def("next_is_cached", &SacCache::next_is_cached, py::arg("op_key"),
            "Whether the next replay of op_key in this pass hands back cached outputs.")
       .def("stats", [](const SacCache& c) {

@@ -317,6 +317,11 @@ void SacRegion::forward(const c10::OperatorHandle& op, const OpFacts& facts,
       }
     }
   }
+  // The inputs' dtypes and shapes, for replay() to check (plain ops write no argument, so
+  // they are the same after the call; taken before it, while the stack holds them).
+  const uint64_t inputs = facts.kind == OpKind::kPlain && !weight_cast && !is_recompute(policy)
+                              ? SacCache::input_signature(torch::jit::last(*stack, nargs))
+                              : 0;
   run_next(op, ks, stack, level);
   if (rng && !rng->after()) rng.reset();
   const auto outs = torch::jit::last(*stack, schema.returns().size());
@@ -336,7 +341,7 @@ void SacRegion::forward(const c10::OperatorHandle& op, const OpFacts& facts,
   }
   std::shared_ptr<SwapGroup> group;
   if (is_swap(policy)) group = SwapEngine::global().current_group();
-  cache_->record(facts.key, policy, values, kind, group, std::move(rng));
+  cache_->record(facts.key, policy, values, kind, group, std::move(rng), inputs);
 }
 
 void SacRegion::recompute(const c10::OperatorHandle& op, const OpFacts& facts,
@@ -356,8 +361,9 @@ void SacRegion::recompute(const c10::OperatorHandle& op, const OpFacts& facts,
     run_next(op, ks, stack, level);
     return;
   }
+  const uint64_t inputs = SacCache::input_signature(torch::jit::last(*stack, nargs));
   SacCache::Replay r =
-      cache_->replay(facts.key, torch::autograd::get_current_graph_task_keep_graph());
+      cache_->replay(facts.key, torch::autograd::get_current_graph_task_keep_graph(), inputs);
   if (r.recompute) {
     run_next(op, ks, stack, level);
     return;

@@ -20,13 +20,43 @@ CheckpointPolicy SacCache::table_policy(int64_t op_key) const {
   return table_->policy_for(op_key);
 }
 
+uint64_t SacCache::mix_signature(uint64_t h, const at::Tensor& t) {
+  // boost::hash_combine's mixing step, per field.
+  auto mix = [&h](uint64_t v) { h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2); };
+  mix(static_cast<uint64_t>(t.scalar_type()) + 1);
+  mix(static_cast<uint64_t>(t.dim()));
+  for (const int64_t size : t.sizes()) mix(static_cast<uint64_t>(size));
+  return h;
+}
+
+namespace {
+uint64_t mix_value(uint64_t h, const c10::IValue& v) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    return t.defined() ? SacCache::mix_signature(h, t) : h;
+  }
+  if (v.isList()) {
+    for (const c10::IValue& item : v.toListRef()) h = mix_value(h, item);
+  }
+  return h;
+}
+}  // namespace
+
+uint64_t SacCache::input_signature(c10::ArrayRef<c10::IValue> args) {
+  uint64_t h = kSignatureSeed;
+  for (const c10::IValue& v : args) h = mix_value(h, v);
+  return h == 0 ? 1 : h;
+}
+
 int64_t SacCache::record(int64_t op_key, CheckpointPolicy policy,
                          const std::vector<c10::IValue>& outputs, OutputKind kind,
-                         const std::shared_ptr<SwapGroup>& group, std::optional<RngStep> rng) {
+                         const std::shared_ptr<SwapGroup>& group, std::optional<RngStep> rng,
+                         uint64_t inputs) {
   HP_CHECK_VALUE(op_key >= 0, "invalid op key ", op_key);
   Entry entry;
   entry.kind = kind;
   entry.policy = policy;
+  entry.inputs = inputs;
   if (!is_recompute(policy)) {
     entry.state = State::kCached;
     entry.slots.reserve(outputs.size());
@@ -155,7 +185,7 @@ void SacCache::begin_recompute() {
   replay_calls_.assign(entries_.size(), 0);
 }
 
-SacCache::Replay SacCache::replay(int64_t op_key, bool retain) {
+SacCache::Replay SacCache::replay(int64_t op_key, bool retain, uint64_t inputs) {
   std::lock_guard<std::mutex> lock(mu_);
   HP_CHECK_VALUE(op_key >= 0, "invalid op key ", op_key);
   if (static_cast<size_t>(op_key) >= replay_calls_.size()) replay_calls_.resize(op_key + 1, 0);
@@ -178,6 +208,14 @@ SacCache::Replay SacCache::replay(int64_t op_key, bool retain) {
            index, ") cached by selective checkpoint was already used and released by an earlier "
            "backward. To run backward twice through a selective checkpoint region, pass "
            "retain_graph=True to the first backward.");
+  HP_CHECK(inputs == 0 || entry.inputs == 0 || inputs == entry.inputs, "the recompute of a "
+           "selective checkpoint region ran ", OpNames::name(op_key), " (call #", index, ") on "
+           "inputs whose dtypes or shapes differ from those of the forward's call #", index,
+           ", whose outputs the policy cached: the recompute ran another sequence of ops than "
+           "the forward. A checkpointed function must run the same ops in the same order when "
+           "it is recomputed: avoid control flow that depends on data or on state that changes "
+           "between forward and backward, or let the policy recompute this op "
+           "(PREFER_RECOMPUTE).");
   out.recompute = false;
   out.outputs.reserve(entry.slots.size());
   // A write after the forward through a tensor sharing the storage but not the version

@@ -103,9 +103,19 @@ class SacCache {
   // `rng`: for a random op, what it did to its generator (RngStep::after() already called);
   // kept only when the outputs are cached and the op moved the generator, and replayed by
   // replay() when it hands those outputs back.
+  // `inputs`: input_signature() of the call's arguments (0: not checked), compared with the
+  // recompute's by replay() for a cached entry.
   int64_t record(int64_t op_key, CheckpointPolicy policy, const std::vector<c10::IValue>& outputs,
                  OutputKind kind, const std::shared_ptr<SwapGroup>& group,
-                 std::optional<RngStep> rng = std::nullopt);
+                 std::optional<RngStep> rng = std::nullopt, uint64_t inputs = 0);
+
+  // A hash of the dtypes and shapes of the tensors among an op call's arguments (tensor
+  // lists and lists of optional tensors included, in order; other arguments ignored, so the
+  // C++ stack with its defaults and Python's args and kwargs give the same value). Never 0.
+  static uint64_t input_signature(c10::ArrayRef<c10::IValue> args);
+  // The same hash, accumulated one tensor at a time (start from kSignatureSeed).
+  static uint64_t mix_signature(uint64_t h, const at::Tensor& t);
+  static constexpr uint64_t kSignatureSeed = 0x9e3779b97f4a7c15ULL;
 
   struct Demoted {
     int64_t op_key;
@@ -149,8 +159,12 @@ class SacCache {
   // random op that moved its generator in forward move it again (RngStep::replay).
   // Throws c10::Error ("hyper_parallel: ...") when forward did not run this call of an op
   // it cached some call of (the recomputed op sequence differs), when the entry was released by an earlier backward,
-  // or when a cached tensor was modified in place after it was cached.
-  Replay replay(int64_t op_key, bool retain);
+  // when its inputs' dtypes or shapes differ from the forward call's (`inputs`), or when a
+  // cached tensor was modified in place after it was cached.
+  // `inputs`: the recompute call's input_signature() (0: not checked). A cached entry whose
+  // forward call had other input dtypes or shapes raises: the recompute runs another
+  // sequence of ops than the forward did, and the cached outputs belong to another call.
+  Replay replay(int64_t op_key, bool retain, uint64_t inputs = 0);
   // Whether the next replay(op_key) of this pass would hand back cached outputs (or raise
   // for a released entry) rather than say "run it".
   bool next_is_cached(int64_t op_key) const;
@@ -181,6 +195,7 @@ class SacCache {
     std::vector<Slot> slots;
     std::optional<RngStep> rng;  // a random op's generator step (cached entries only)
     bool written = false;        // before_write() hit one of its storages in forward
+    uint64_t inputs = 0;         // input_signature() of the forward call (0: unknown)
     std::vector<Watch> watches;  // aliases through other version counters (watch())
   };
 

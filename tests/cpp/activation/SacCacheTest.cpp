@@ -230,6 +230,41 @@ TEST_F(SacCacheTest, RecomputeRunningMoreCallsThanForwardIsAClearError) {
       << msg;
 }
 
+// A cached call is matched by (op, call index); when the recompute's call at that index
+// has inputs of other dtypes or shapes, the recomputed op sequence differs from the forward's
+// and the cached outputs belong to another call: a clear error, never a wrong tensor.
+TEST_F(SacCacheTest, ARecomputeCallWithOtherInputShapesOrDtypesIsAClearError) {
+  const at::Tensor x = at::ones({4, 8}), w = at::ones({8, 8}), w2 = at::ones({8, 16});
+  const std::vector<c10::IValue> fwd{x, w};
+  const uint64_t sig = SacCache::input_signature(fwd);
+  EXPECT_NE(sig, 0u);
+  EXPECT_EQ(sig, SacCache::input_signature(std::vector<c10::IValue>{at::zeros({4, 8}),
+                                                                     at::zeros({8, 8})}));
+  // Non-tensor arguments (defaults the Python call omits) do not count.
+  EXPECT_EQ(sig, SacCache::input_signature(std::vector<c10::IValue>{x, c10::IValue(), w, 1.0}));
+  EXPECT_NE(sig, SacCache::input_signature(std::vector<c10::IValue>{x, w2}));
+  EXPECT_NE(sig, SacCache::input_signature(std::vector<c10::IValue>{w, x}));
+  EXPECT_NE(sig, SacCache::input_signature(
+                     std::vector<c10::IValue>{x, w.to(at::kDouble)}));
+  EXPECT_NE(sig, SacCache::input_signature(std::vector<c10::IValue>{x, w.reshape({64})}));
+
+  SacCache cache;
+  cache.record(mm, P::MUST_SAVE, one(at::ones({4, 8})), OutputKind::kSingle, nullptr,
+               std::nullopt, sig);
+  cache.record(mm, P::MUST_SAVE, one(at::ones({4, 8})), OutputKind::kSingle, nullptr,
+               std::nullopt, sig);
+  cache.begin_recompute();
+  EXPECT_FALSE(cache.replay(mm, /*retain=*/true, sig).recompute);
+  const std::string msg = message_of(
+      [&] { cache.replay(mm, false, SacCache::input_signature(std::vector<c10::IValue>{x, w2})); });
+  EXPECT_TRUE(contains(msg, "hyper_parallel: the recompute of a selective checkpoint region "
+                            "ran aten.mm.default (call #1) on inputs whose dtypes or shapes "
+                            "differ")) << msg;
+  // Unknown signatures (0) are not checked.
+  cache.begin_recompute();
+  EXPECT_FALSE(cache.replay(mm, true, 0).recompute);
+}
+
 TEST_F(SacCacheTest, OpsForwardNeverCachedRunFreelyInRecompute) {
   SacCache cache;
   cache.record(relu, P::PREFER_RECOMPUTE, {}, OutputKind::kSingle, nullptr);

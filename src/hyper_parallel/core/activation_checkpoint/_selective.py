@@ -460,7 +460,7 @@ class _CachingMode(TorchDispatchMode):
                 st.open_swap_region()
         if rng is _NO_GENERATOR:
             res, rng = CheckpointPolicy.PREFER_RECOMPUTE, None
-        ok = st.cache.record(info.key, out, res, rng)
+        ok = st.cache.record(info.key, out, res, rng, args, kwargs)
         if not ok:
             _warn_uncacheable(info.name, out)
         return out
@@ -513,7 +513,7 @@ class _CachedMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if st.policy_fn is not None:
             _check(st.policy_fn(SelectiveCheckpointContext(True), func, *args, **kwargs), info)
-        out = st.cache.replay(info.key)
+        out = st.cache.replay(info.key, args, kwargs)
         if out is _RECOMPUTE:
             return func(*args, **kwargs)
         return out

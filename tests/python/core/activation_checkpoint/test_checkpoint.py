@@ -652,6 +652,36 @@ def test_recompute_running_other_ops_raises_clearly():
         out.sum().backward()
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["cpp", "python-modes"])
+@pytest.mark.parametrize("policy", ["declarative", "callable"])
+def test_recompute_running_an_op_on_other_shapes_raises_clearly(monkeypatch, policy, native):
+    # The recompute's first mm is another call than the forward's first mm (state changed
+    # between forward and backward): handing it the cached (4, D) output where (4, 2D) is
+    # due would fail deep in autograd or, with equal shapes downstream, give wrong values.
+    from hyper_parallel.core.activation_checkpoint import _selective
+    monkeypatch.setattr(_selective, "NATIVE", native and _selective.NATIVE)
+    w = torch.randn(D, D, requires_grad=True)
+    w_wide = torch.randn(D, 2 * D, requires_grad=True)
+    state = {"wide_first": False}
+
+    def fn(x):
+        if state["wide_first"]:
+            x @ w_wide  # noqa: B018 - another mm first
+        return torch.tanh(x @ w)
+
+    policies = {"declarative": [torch.ops.aten.mm],
+                "callable": lambda ctx, op, *a, **k: (CheckpointPolicy.MUST_SAVE
+                                                      if op is torch.ops.aten.mm.default
+                                                      else CheckpointPolicy.PREFER_RECOMPUTE)}
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        out = checkpoint(fn, torch.randn(4, D), policy_fn=policies[policy])
+    state["wide_first"] = True
+    with pytest.raises(RuntimeError, match=r"hyper_parallel: the recompute of a selective "
+                                           r"checkpoint region ran aten\.mm\.default \(call #0\) "
+                                           r"on inputs whose dtypes or shapes differ"):
+        out.sum().backward()
+
+
 def test_invalid_policy_result_names_op_and_value():
     with pytest.raises(ValueError, match=r"hyper_parallel: policy_fn for op aten\.mm\.default "
                                          r"returned 'save'"):
