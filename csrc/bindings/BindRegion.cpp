@@ -215,7 +215,11 @@ std::shared_ptr<RegionToken> region_enter_mode(int64_t layer, const std::string&
     if (!pool.is_none() && !token->joined()) {
       token->group()->host_pool = pool.cast<std::shared_ptr<HostBufferPool>>();
     }
-    if (push && auto_push) push = at::GradMode::is_enabled() && !under_checkpoint_frame();
+    // Not under a torch.func transform either: it supports no saved-tensor hooks.
+    if (push && auto_push) {
+      push = at::GradMode::is_enabled() && !in_func_transform() &&
+             !under_checkpoint_frame();
+    }
     if (push && mode) {
       py::object hook = make_pack_hook(*mode, policy_fn, token->state());
       hooks::push(hook);

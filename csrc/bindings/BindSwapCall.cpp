@@ -171,7 +171,11 @@ py::object swap_forward(const py::object& owner, const py::object& fn, const py:
     return c.fallback(owner, fn, args, keywords, policy_fn, group_swap, pool, state_module,
                       nest_check);
   };
-  if (another_framework_loaded(c)) return slow();
+  // Another framework's backend, or a torch.func transform (no saved-tensor hooks there:
+  // _region.in_func_transform runs the call plainly and warns): Python decides.
+  if (another_framework_loaded(c) || in_func_transform()) {
+    return slow();
+  }
   // In backward (a recompute) or without grad the call runs plainly (_region.in_backward).
   if (torch::autograd::get_current_graph_task_id() != -1 || !at::GradMode::is_enabled()) {
     return call_plain(fn, args, kwargs);

@@ -6,6 +6,7 @@
 
 #include "hyper_parallel/activation/SwapGroup.h"
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
@@ -20,6 +21,15 @@ void bind_trace(pybind11::module_& m);
 void bind_planner(pybind11::module_& m);
 void bind_intercept(pybind11::module_& m);
 void bind_swap_call(pybind11::module_& m);
+
+// True inside a torch.func transform (grad, vjp, jacrev, vmap, ...) on this thread: the
+// functorch front-mode key is in the thread's included dispatch keys while its layer stack
+// is not empty. torch.func supports no saved-tensor hooks, so no region pushes them there
+// (_region.in_func_transform). (ATen/functorch/DynamicLayer.h's maybeCurrentDynamicLayer
+// says the same, but its header needs nlohmann/json, which torch does not ship.)
+inline bool in_func_transform() {
+  return c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
+}
 
 // getattr(obj, name, None) with Python's meaning: None only when the lookup raises
 // AttributeError; any other exception (a property that fails) propagates as

@@ -28,7 +28,7 @@ from ._backends import backend_for, wrapper_dispatch
 from ._errors import check_callable
 from ._host_pool import native_pool
 from ._recompute_state import debug_call, reentrant_call
-from ._region import REGISTERED_ONLY, SWAP_ALL, Region
+from ._region import REGISTERED_ONLY, SWAP_ALL, Region, in_func_transform
 from ._selective import check_bool, compile_policy, region_context_fn, state_context_fn
 from ._swap import LayerCall, in_backward, resolve_layer
 from ._swap_manager import SwapManager
@@ -361,8 +361,9 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         use_reentrant = False
         ckpt_kwargs = _torch_options(False, preserve_rng_state, determinism_check, debug,
                                      early_stop, policy is not None or context_fn is not None)
-    if not torch.is_grad_enabled():
-        # Inference: nothing is saved for backward (torch's frame does the same).
+    if not torch.is_grad_enabled() or in_func_transform():
+        # Inference: nothing is saved for backward (torch's frame does the same). Inside a
+        # torch.func transform, which supports no saved-tensor hooks: plainly (warns once).
         return function(*args, **kwargs)
     if use_reentrant:
         # torch's reentrant frame alone: it saves nothing inside the region (the forward
@@ -508,7 +509,7 @@ class CheckpointWrapper(ActivationWrapper):
 
     def forward(self, *args, **kwargs):
         inner = self._checkpoint_wrapped_module
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or in_func_transform():
             return inner(*args, **kwargs)
         if _compile.is_compiling():
             if _holds_exclusions(inner):

@@ -41,6 +41,40 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1 or is_recomputing()
 
 
+_peek_func_transform = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack",
+                               None)
+_warned_func_transform = False
+
+
+def in_func_transform() -> bool:
+    """True inside a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, ``vmap``, ...).
+
+    ``torch.func`` does not support saved-tensor hooks, on which every recompute and swap
+    region is built (torch's own checkpoint raises there), so a region inside a transform
+    runs its function plainly: the transform gets its gradients, without the region's
+    memory saving. Warns once per process. False while dynamo traces (its transforms are
+    traced, not run)."""
+    global _warned_func_transform
+    if _peek_func_transform is None or torch.compiler.is_compiling():
+        return False
+    if _peek_func_transform() is None:
+        return False
+    if not _warned_func_transform:
+        _warned_func_transform = True
+        warn_user("hyper_parallel: a checkpoint or swap region runs inside a torch.func "
+                  "transform (grad, vjp, jacrev, vmap, ...), which does not support the "
+                  "saved-tensor hooks recompute and swap use: the region runs its function "
+                  "plainly (correct results, no memory saved). Apply the transform inside "
+                  "the region, or use torch.autograd for the step, to keep the saving.")
+    return True
+
+
+def runs_plainly() -> bool:
+    """True where a region saves nothing for backward and runs its function as it is:
+    grad mode off, in a backward (a recompute), or inside a torch.func transform."""
+    return not torch.is_grad_enabled() or in_backward() or in_func_transform()
+
+
 def in_checkpoint_forward() -> bool:
     """True inside the forward of a torch.utils.checkpoint region (ours are built on it):
     the innermost saved-tensor hooks are its frame's. Such a frame recomputes whatever is

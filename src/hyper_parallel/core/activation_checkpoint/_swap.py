@@ -14,7 +14,7 @@ from ._errors import check_callable, check_flag
 from ._host_pool import native_pool
 from ._policy_signature import check_swap_policy
 from ._region import (SWAP_ALL, Region, _compiled_autograd_on, after_run_region, in_backward,
-                      in_checkpoint_forward, meter_active)
+                      in_checkpoint_forward, meter_active, runs_plainly)
 from ._swap_manager import SwapManager, layer_node
 from ._warnings import warn as warn_user
 
@@ -111,7 +111,7 @@ def swap(function, *args, policy_fn=None, group_swap=False, cpu_pool=None, **kwa
 def _run_swapped(target, fn, args, kwargs, policy_fn, group_swap, pool):
     """``fn(*args, **kwargs)`` in the swap region of ``target`` (its layer, name and state
     module), or plainly in recompute and without grad."""
-    if in_backward() or not torch.is_grad_enabled():
+    if runs_plainly():
         return fn(*args, **kwargs)
     node, name, state = resolve_layer(target)
     return _C.run_region(node.layer_id if node is not None else -1, name, fn, args,
@@ -153,7 +153,7 @@ def swap_region(function, policy_fn=None, group_swap=False, cpu_pool=None) -> Re
     SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP on first use
     check_swap_policy(policy_fn)
     pool = native_pool(cpu_pool)
-    if in_backward() or not torch.is_grad_enabled():
+    if runs_plainly():
         return None
     node, name, state = resolve_layer(function)
     return Region(node.layer_id if node is not None else -1, name, SWAP_ALL, policy_fn,
@@ -197,7 +197,7 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False, cpu_pool=None):
         return backend.swap_tensor_wrapper(target, tag=tag, group_swap=group_swap)
     SwapManager()
     pool = native_pool(cpu_pool)
-    if in_backward() or not torch.is_grad_enabled() or in_checkpoint_forward():
+    if runs_plainly() or in_checkpoint_forward():
         # Recompute, inference, or inside a checkpoint's forward (the tensor is recomputed
         # in backward, so keeping it for a swap would only cost a copy).
         return target

@@ -28,8 +28,8 @@ from ._backends import _BACKENDS, wrapper_dispatch
 from ._host_pool import native_pool
 from ._errors import check_flag
 from ._policy_signature import check_swap_policy
-from ._swap import LayerCall, in_backward, swap_call, swap_module_call
-from ._region import after_run_region
+from ._swap import LayerCall, swap_call, swap_module_call
+from ._region import after_run_region, runs_plainly
 from ._swap_manager import _LAYER_ATTR, SwapManager
 from ._warnings import warn as warn_user
 
@@ -326,7 +326,7 @@ def _swap_forward_python(owner, fn, args, kwargs, policy_fn, group_swap, pool, s
     ``nest_check`` keeps the thread's stack of running wrappers (``_hp_call``)."""
     if state_module is None:
         return swap_call(LayerCall(owner, fn), args, kwargs, policy_fn, group_swap, pool)
-    if in_backward() or not torch.is_grad_enabled():
+    if runs_plainly():
         return fn(*args, **kwargs)
     if not nest_check:
         return swap_module_call(owner, fn, args, kwargs, policy_fn, group_swap, pool)
