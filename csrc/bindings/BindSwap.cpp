@@ -349,6 +349,89 @@ void exclude_module_tree(SwapGroup& g, PyObject* module, c10::SmallVectorImpl<Py
   }
 }
 
+// Appends (dict, key, value) for every entry of the _parameters and _buffers dicts of
+// `module`'s tree (shared submodules once) to `out`.
+void module_state_tree(PyObject* module, c10::SmallVectorImpl<PyObject*>& seen,
+                       std::vector<py::object>& out, int depth) {
+  for (PyObject* m : seen) {
+    if (m == module) return;
+  }
+  seen.push_back(module);
+  HP_CHECK(depth < 1000, "the module tree given to a checkpoint region is more than 1000 "
+           "levels deep (a cycle in _modules?); check the model's submodule structure.");
+  PyObject** dict_ptr = _PyObject_GetDictPtr(module);
+  if (dict_ptr == nullptr || *dict_ptr == nullptr) return;
+  PyObject* dict = *dict_ptr;
+  const ModuleKeys& keys = module_keys();
+  for (PyObject* state : {keys.parameters, keys.buffers}) {
+    if (PyObject* entries = module_dict_entry(dict, state)) {
+      PyObject *key, *value;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next(entries, &pos, &key, &value)) {
+        out.push_back(py::reinterpret_borrow<py::object>(entries));
+        out.push_back(py::reinterpret_borrow<py::object>(key));
+        out.push_back(py::reinterpret_borrow<py::object>(value));
+      }
+    }
+  }
+  if (PyObject* children = module_dict_entry(dict, keys.modules)) {
+    PyObject *key, *child;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(children, &pos, &key, &child)) {
+      if (child != Py_None) module_state_tree(child, seen, out, depth + 1);
+    }
+  }
+}
+
+// The parameters and buffers `module`'s tree holds now, as a flat tuple of (dict, key,
+// value) triples: what a recompute puts back (put_module_state) when the module holds
+// other tensors by then (torch.func.functional_call swapped them in for the forward only).
+py::tuple module_state_refs(const py::handle& module) {
+  c10::SmallVector<PyObject*, 32> seen;
+  std::vector<py::object> out;
+  module_state_tree(module.ptr(), seen, out, 0);
+  py::tuple refs(out.size());
+  for (size_t i = 0; i < out.size(); ++i) refs[i] = std::move(out[i]);
+  return refs;
+}
+
+// Whether `obj` is not a plain tensor or Parameter: a tensor subclass with Python dispatch
+// (DTensor) or no tensor at all. FSDP2 swaps a module's sharded DTensor parameters and
+// its unsharded ones in and out around forward and backward itself, so a slot holding a
+// subclass on either side is its framework's business and is never put back.
+bool subclass_or_other(PyObject* obj) {
+  if (!THPVariable_Check(obj)) return true;
+  return THPVariable_Unpack(obj).key_set().has(c10::DispatchKey::Python);
+}
+
+// Puts each (dict, key, value) of `refs` back where the dict holds another plain tensor
+// under the key now (keys no longer in their dict, and slots holding a tensor subclass or
+// a non-tensor on either side, are left alone). Returns the triples it replaced, with the
+// values it found (put them back to undo); empty when nothing differed.
+py::tuple put_module_state(const py::tuple& refs) {
+  std::vector<py::object> undo;
+  const Py_ssize_t n = PyTuple_GET_SIZE(refs.ptr());
+  HP_CHECK_VALUE(n % 3 == 0, "put_module_state takes (dict, key, value) triples");
+  for (Py_ssize_t i = 0; i < n; i += 3) {
+    PyObject* dict = PyTuple_GET_ITEM(refs.ptr(), i);
+    PyObject* key = PyTuple_GET_ITEM(refs.ptr(), i + 1);
+    PyObject* value = PyTuple_GET_ITEM(refs.ptr(), i + 2);
+    PyObject* now = PyDict_GetItemWithError(dict, key);  // borrowed
+    if (now == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      continue;
+    }
+    if (now == value || subclass_or_other(now) || subclass_or_other(value)) continue;
+    undo.push_back(py::reinterpret_borrow<py::object>(dict));
+    undo.push_back(py::reinterpret_borrow<py::object>(key));
+    undo.push_back(py::reinterpret_borrow<py::object>(now));
+    if (PyDict_SetItem(dict, key, value) != 0) throw py::error_already_set();
+  }
+  py::tuple out(undo.size());
+  for (size_t i = 0; i < undo.size(); ++i) out[i] = std::move(undo[i]);
+  return out;
+}
+
 }  // namespace
 
 void exclude_tensors(SwapGroup& group, const py::handle& tensors) {
@@ -421,6 +504,12 @@ std::shared_ptr<SwapGroup> group_by_name(const std::string& name) {
 }  // namespace
 
 void bind_swap(py::module_& m) {
+  m.def("module_state_refs", &module_state_refs, py::arg("module"),
+        "The (dict, key, value) triples of every _parameters / _buffers entry of the module's "
+        "tree, flat in one tuple (shared submodules once).");
+  m.def("put_module_state", &put_module_state, py::arg("refs"),
+        "Puts module_state_refs' values back where their dicts hold other objects now; "
+        "returns the replaced triples (pass them back to undo), empty when none differed.");
   py::enum_<PackMode>(m, "PackMode")
       .value("SWAP_ALL", PackMode::kSwapAll)
       .value("REGISTERED_ONLY", PackMode::kRegisteredOnly);

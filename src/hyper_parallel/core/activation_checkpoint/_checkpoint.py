@@ -54,6 +54,59 @@ def _with_bound_kwargs(function, args: tuple, kwargs: dict):
     return call, (*args, *kwargs.values())
 
 
+def _state_module(function):
+    """The module whose parameters and buffers a region's call reads: a wrapper's layer,
+    the module called, or the module of a bound method (HF's ``layer.__call__``); None for
+    other callables."""
+    if isinstance(function, LayerCall):
+        return function.state_module
+    if isinstance(function, nn.Module):
+        return function
+    owner = getattr(function, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+class _ForwardModuleState:
+    """A region's call whose recompute reads the parameters and buffers its forward read.
+
+    The first call (the forward) notes which tensors the module's tree holds; a later call
+    (the recompute in backward) puts those back for its duration wherever the module holds
+    other tensors by then. ``torch.func.functional_call`` (and any stateless
+    reparametrization) swaps tensors into the module for the forward only, so torch's
+    checkpoint recomputes with the module's own parameters and gives the call's parameters
+    silently wrong gradients. In every other case the module holds the same tensors and the
+    check costs one walk in C++ per call (docs/design.md, "Recompute and state outside the
+    region")."""
+
+    __slots__ = ("fn", "module", "refs")
+
+    def __init__(self, fn, module) -> None:
+        self.fn = fn
+        self.module = module
+        self.refs = None
+
+    def __call__(self, *args):
+        if self.refs is None:
+            self.refs = _C.module_state_refs(self.module)
+            return self.fn(*args)
+        undo = _C.put_module_state(self.refs)
+        if not undo:
+            return self.fn(*args)
+        try:
+            return self.fn(*args)
+        finally:
+            _C.put_module_state(undo)
+
+
+def _region_call(function, args: tuple, kwargs: dict):
+    """(callable, positional args) that torch's frame runs for ``function(*args,
+    **kwargs)``: kwargs bound (:func:`_with_bound_kwargs`) and, for a module, its forward's
+    parameters and buffers put back in recompute (:class:`_ForwardModuleState`)."""
+    call, call_args = _with_bound_kwargs(function, args, kwargs)
+    module = _state_module(function)
+    return (_ForwardModuleState(call, module) if module is not None else call), call_args
+
+
 _DETERMINISM_CHECKS = tuple(getattr(torch_checkpoint, "_allowed_determinism_checks_to_fns",
                                      {"default": None, "none": None}))
 _DEFAULT_DETERMINISM = getattr(torch_checkpoint, "_DEFAULT_DETERMINISM_MODE", "default")
@@ -368,7 +421,7 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     if use_reentrant:
         # torch's reentrant frame alone: it saves nothing inside the region (the forward
         # runs without grad), so no swap group or region mode has anything to do.
-        call, call_args = _with_bound_kwargs(function, args, kwargs)
+        call, call_args = _region_call(function, args, kwargs)
         return torch_checkpoint.checkpoint(reentrant_call(call), *call_args, **ckpt_kwargs)
     key = _mode_key(function) if policy is None else None
     training = _training(key) if key is not None else None
@@ -387,7 +440,7 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         ckpt_kwargs["context_fn"] = region_context_fn(policy, context_fn,
                                                       allow_cache_entry_mutation,
                                                       _describer(function), report)
-    call, call_args = _with_bound_kwargs(function, args, kwargs)
+    call, call_args = _region_call(function, args, kwargs)
     if debug_region:
         call = debug_call(call)  # exclusion regions inside warn that they run again
     if in_backward():
