@@ -55,6 +55,7 @@ from ._ignored_ops import is_sac_ignored
 from ._policy import CheckpointPolicy, to_policy
 from . import _recompute_state
 from ._region import Region, in_backward
+from ._subclass_outputs import SubclassOutputs
 from ._policy_signature import check_checkpoint_policy
 from ._warnings import warn as warn_user
 
@@ -339,7 +340,7 @@ class _RegionState:
 
     __slots__ = ("cache", "policy_fn", "table", "external", "collectives", "may_swap", "region",
                  "report", "rstate", "lazy_swap", "region_args", "on_region", "native",
-                 "__weakref__")
+                 "subclass", "__weakref__")
 
     def __init__(self, policy, allow_cache_entry_mutation: bool, describe) -> None:
         if policy is None:
@@ -349,6 +350,8 @@ class _RegionState:
             self.table, self.policy_fn = policy.table, policy.fn
             self.cache = _new_cache(policy.table, allow_cache_entry_mutation)
             self.may_swap = policy.may_swap
+        # Outputs the C++ cache cannot hold (DTensors seen by the Python modes).
+        self.subclass = SubclassOutputs(allow_cache_entry_mutation)
         # A callable policy may return MUST_SWAP but usually never does: its swap group is
         # opened at the first MUST_SWAP (open_swap_region), not at the region's entry.
         self.lazy_swap = self.may_swap and self.policy_fn is not None
@@ -428,6 +431,8 @@ class _CachingMode(TorchDispatchMode):
             # (aten::_unsafe_view's output): the entry is demoted (SacCache.h)
             for target in written_targets(args, kwargs, info.writes):
                 st.cache.before_write(target)
+                if st.subclass.entries:
+                    st.subclass.before_write(target)
         if st.rstate.excluding:  # inside a checkpoint_exclude_wrapper (not replayed)
             out = func(*args, **kwargs)
             if st.cache is not None:
@@ -460,8 +465,9 @@ class _CachingMode(TorchDispatchMode):
                 st.open_swap_region()
         if rng is _NO_GENERATOR:
             res, rng = CheckpointPolicy.PREFER_RECOMPUTE, None
+        index = st.subclass.count_forward(info.key)
         ok = st.cache.record(info.key, out, res, rng, args, kwargs)
-        if not ok:
+        if not ok and not st.subclass.keep(info.key, index, out, args, kwargs):
             _warn_uncacheable(info.name, out)
         return out
 
@@ -470,6 +476,8 @@ class _CachingMode(TorchDispatchMode):
         st = self._state
         _recompute_state.exit_forward(st.rstate, exc_type is None)
         st.external.end_forward()
+        if st.subclass.entries:
+            st.subclass.end_forward()  # written later in the forward: recomputed instead
         _end_forward(st, exc_type, exc, tb, st.external.written)
         return result
 
@@ -488,6 +496,7 @@ class _CachedMode(TorchDispatchMode):
         st = self._state
         if st.cache is not None:
             st.cache.begin_recompute()
+        st.subclass.begin_recompute()
         st.external.begin_recompute()
         st.collectives.begin_recompute()
         _recompute_state.enter_recompute(st.rstate)
@@ -515,6 +524,10 @@ class _CachedMode(TorchDispatchMode):
             _check(st.policy_fn(SelectiveCheckpointContext(True), func, *args, **kwargs), info)
         out = st.cache.replay(info.key, args, kwargs)
         if out is _RECOMPUTE:
+            if st.subclass.entries:
+                kept = st.subclass.replay(info.key, args, kwargs)
+                if kept is not None:
+                    return kept
             return func(*args, **kwargs)
         return out
 
