@@ -13,6 +13,9 @@
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/native/CPUFallback.h>
+#include <ATen/ops/_conj.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/_neg_view.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/set_native.h>
@@ -94,15 +97,44 @@ const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size_sym,
   return self;
 }
 
+// A source with a conjugate or negative bit (x.conj(), a lazy view): the math-bit
+// fallbacks would materialize it with clone, which copies with copy_, which comes back
+// here through the same fallback (infinite recursion, a stack overflow). _copy_from falls
+// through those keys (below) and the copy applies the bits itself: the raw bytes first
+// (the bits are metadata), then the math on the destination, in order after the copy.
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
-  copy(self, dst, non_blocking);
+  const bool conj = self.is_conj() != dst.is_conj();
+  const bool neg = self.is_neg() != dst.is_neg();
+  if (!self.is_conj() && !self.is_neg() && !conj && !neg) {
+    copy(self, dst, non_blocking);
+    return dst;
+  }
+  TORCH_CHECK(!dst.is_conj() && !dst.is_neg(),
+              "hpsim: a copy into a tensor with a conjugate or negative bit is not supported; "
+              "resolve the destination first (resolve_conj() / resolve_neg())");
+  at::Tensor raw = self;
+  if (raw.is_conj()) raw = at::_conj(raw);  // views with the bits cleared: the raw values
+  if (raw.is_neg()) raw = at::_neg_view(raw);
+  // The math runs on the host (the device has no kernels of its own for it): the raw
+  // values there, the source's bits set again, resolved by the CPU's copy.
+  at::Tensor host = raw;
+  if (!raw.is_cpu()) {
+    host = at::empty(raw.sizes(), raw.options().device(at::kCPU));
+    copy(raw, host, /*non_blocking=*/false);
+  }
+  if (self.is_conj()) host = at::_conj(host);
+  if (self.is_neg()) host = at::_neg_view(host);
+  if (dst.is_cpu()) {
+    const_cast<at::Tensor&>(dst).copy_(host);
+  } else {
+    copy(host.resolve_conj().resolve_neg(), dst, /*non_blocking=*/false);
+  }
   return dst;
 }
 
 at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   resize_(dst, c10::fromIntArrayRefSlow(self.sizes()), std::nullopt);
-  copy(self, dst, false);
-  return dst;
+  return copy_from(self, dst, false);
 }
 
 at::Tensor& set_storage_offset(at::Tensor& self, c10::Storage source, int64_t offset,
@@ -172,6 +204,17 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage_storage_offset", set_storage_offset);
   m.impl("set_.source_Storage", set_storage);
   m.impl("set_.source_Tensor", set_tensor);
+}
+
+// (see copy_from: the copy applies conjugate and negative bits itself)
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

@@ -226,3 +226,31 @@ def test_torch_stream_and_event_work_on_the_simulated_device(sim):
     assert torch.equal(out.cpu(), torch.arange(1024.0))  # compute stream ordered after it
     end.synchronize()
     assert end.query() and start.elapsed_time(end) >= 80.0  # milliseconds
+
+
+def test_conjugate_and_negative_views_copy_and_swap(sim):
+    """Copies of lazily conjugated or negated tensors (x.conj(), _neg_view) to, from and on
+    the simulated device: the math-bit fallbacks used to materialize the source through
+    clone -> copy_ -> _copy_from and back (a stack overflow: segfault on x.conj().exp())."""
+    from hyper_parallel.core.activation_checkpoint import SwapManager, swap
+
+    c = torch.randn(6, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+    r = torch.randn(6, generator=torch.Generator().manual_seed(1))
+    x = c.to(DEV)
+    assert torch.equal(x.conj().exp().cpu(), c.conj().exp())
+    assert torch.equal(x.conj().cpu(), c.conj())
+    assert torch.equal(c.conj().to(DEV).cpu(), c.conj())
+    assert torch.equal(r.to(DEV)._neg_view().cpu(), -r)
+    assert torch.equal(r._neg_view().to(DEV).cpu(), -r)
+    into = torch.empty(6, dtype=torch.complex64, device=DEV)
+    into.copy_(x.conj())
+    assert torch.equal(into.cpu(), c.conj())
+    # A saved conjugate view offloaded and reloaded by a swap region.
+    manager = SwapManager()
+    leaf = x.clone().requires_grad_()
+    out = swap(lambda t: t.conj().exp().abs().sum(), leaf)
+    manager.synchronize()
+    out.backward()
+    want = c.clone().requires_grad_()
+    want.conj().exp().abs().sum().backward()
+    assert torch.equal(leaf.grad.cpu(), want.grad)
