@@ -70,11 +70,27 @@ void Schedule::on_begin(const std::shared_ptr<SwapGroup>& group) {
   }
   if (has_predecessor(layer) && group->prev.expired()) group->orphan = true;
   if (scheduled(layer)) {
-    auto& last = last_begun_[thread];
-    auto before = last.lock();
-    group->order_reversed = before && has_successor(layer) && before->orphan &&
-                            before->layer() == successor(layer);
-    last = group;
+    auto& state = last_begun_[thread];
+    auto before = state.last.lock();
+    // Against the chain: itself an orphan while another chained invocation of this thread
+    // is alive (it ran before its predecessor; the first layer run of a pass has none
+    // alive before it), or begun while an orphan invocation of a layer after it in the
+    // chain is alive (that layer ran before it: a reversed link, or layers given out of
+    // order).
+    bool against = before && group->orphan;
+    auto& orphans = state.orphans;
+    if (!orphans.empty()) {
+      orphans.erase(std::remove_if(orphans.begin(), orphans.end(),
+                                   [](const std::weak_ptr<SwapGroup>& w) { return w.expired(); }),
+                    orphans.end());
+      for (const auto& w : orphans) {
+        auto o = w.lock();
+        if (o && o->layer() != layer && runs_after(layer, o->layer())) against = true;
+      }
+    }
+    group->order_reversed = against;
+    if (group->orphan && orphans.size() < 64) orphans.push_back(group);
+    state.last = group;
   }
   if (unlinked_.size() > sweep_at_) sweep_unlinked();
   auto& mine = unlinked_[Key{layer, thread}];
@@ -128,6 +144,15 @@ std::vector<std::shared_ptr<SwapGroup>> Schedule::prefetch_targets(
     out.push_back(cur);
   }
   return out;
+}
+
+bool Schedule::runs_after(int64_t layer, int64_t later) const {
+  int64_t steps = 0;
+  for (int64_t at = successor(layer); at >= 0; at = successor(at)) {
+    if (at == later) return true;
+    if (++steps > static_cast<int64_t>(next_of_.size())) break;  // (links never cycle)
+  }
+  return false;
 }
 
 void Schedule::sweep_unlinked() {

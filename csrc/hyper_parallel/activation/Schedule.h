@@ -11,8 +11,9 @@
 //    their own chain, and two threads running forwards of different micro-batches do not
 //    cross-link.
 //  * A link that would close a cycle is refused; an invocation that begins right after an
-//    invocation of its successor layer that found no predecessor (the forward runs
-//    against the chain) is flagged `order_reversed`, for a warning.
+//    invocation of its successor layer that found no predecessor, or that finds no
+//    predecessor itself while another chained invocation of its thread is alive (the
+//    forward runs against the chain) is flagged `order_reversed`, for a warning.
 //  * prefetch_targets(g, depth): the invocations whose reload starts when the backward
 //    of g begins: g itself (if a hole left it offloaded) and up to `depth` predecessors.
 //
@@ -84,8 +85,17 @@ class Schedule {
   static constexpr size_t kMinSweepAt = 256;
   size_t sweep_at_ = kMinSweepAt;
   void sweep_unlinked();
-  // Per thread: the invocation of a chained layer that began last.
-  std::unordered_map<std::thread::id, std::weak_ptr<SwapGroup>> last_begun_;
+  // Per thread: the invocation of a chained layer that began last, and the orphan
+  // invocations (no predecessor invocation found) that may still be alive: a layer that
+  // begins while an orphan of a layer after it in the chain is alive runs against the
+  // chain (none in a forward that follows the chain, so nothing to scan then).
+  struct ThreadState {
+    std::weak_ptr<SwapGroup> last;
+    std::vector<std::weak_ptr<SwapGroup>> orphans;
+  };
+  std::unordered_map<std::thread::id, ThreadState> last_begun_;
+  // Whether `later` is reached from `layer` by following successors.
+  bool runs_after(int64_t layer, int64_t later) const;
 };
 
 }  // namespace hyper_parallel::activation

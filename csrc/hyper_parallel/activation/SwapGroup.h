@@ -84,8 +84,9 @@ class SwapGroup {
   // The layer has a predecessor in the chain, but no invocation of it ran before this one
   // on this thread (the first layer run, or a forward order against the chain).
   bool orphan = false;
-  // This invocation began right after an orphan invocation of its successor layer: the
-  // forward runs against the declared chain (Schedule::on_begin).
+  // The forward runs against the declared chain (Schedule::on_begin): this invocation
+  // began right after an orphan invocation of its successor layer, or is an orphan itself
+  // while another chained invocation of its thread is alive.
   bool order_reversed = false;
   std::weak_ptr<SwapGroup> prev;  // invocation of the predecessor layer in the same pass
   std::weak_ptr<SwapGroup> next;

@@ -357,6 +357,39 @@ TEST(ScheduleTest, ForwardAgainstTheChainIsFlagged) {
   EXPECT_FALSE(g2->order_reversed);
   EXPECT_TRUE(g1->order_reversed);
   EXPECT_TRUE(g0->order_reversed);
+  // A chain whose order is not the forward's, without a reversed link (layers given out
+  // of order): chain l2 -> l0 -> l1, forward l0, l1, l2. l0 finds no l2 invocation (the
+  // first layer run: not flagged itself); l2 begins while l0, which runs after it in the
+  // chain, is an alive orphan.
+  {
+    Schedule s;
+    const int64_t l0 = s.new_layer(), l1 = s.new_layer(), l2 = s.new_layer();
+    s.link(l2, l0);
+    s.link(l0, l1);
+    auto a = make_group(10, l0), b = make_group(11, l1), e = make_group(12, l2);
+    s.on_begin(a);
+    s.on_begin(b);
+    s.on_begin(e);
+    EXPECT_TRUE(a->orphan);
+    EXPECT_FALSE(a->order_reversed);
+    EXPECT_FALSE(b->order_reversed);
+    EXPECT_TRUE(e->order_reversed);
+    // l3 -> l1 -> l2 -> l0 against l0, l1, l2, l3: l1 is an orphan after l0 began.
+    Schedule t;
+    const int64_t m0 = t.new_layer(), m1 = t.new_layer(), m2 = t.new_layer(),
+                  m3 = t.new_layer();
+    t.link(m3, m1);
+    t.link(m1, m2);
+    t.link(m2, m0);
+    std::vector<std::shared_ptr<SwapGroup>> gs;
+    for (int64_t layer : {m0, m1, m2, m3}) {
+      gs.push_back(make_group(20 + layer, layer));
+      t.on_begin(gs.back());
+    }
+    EXPECT_FALSE(gs[0]->order_reversed);
+    EXPECT_TRUE(gs[1]->order_reversed);
+    EXPECT_TRUE(gs[3]->order_reversed);
+  }
   // In order, twice (the second pass starts right after the first pass's last layer):
   // never flagged.
   Chain d;

@@ -66,9 +66,10 @@ def after_forward(group, name: str) -> None:
     if group.order_reversed:
         _warn_once(
             "order_reversed",
-            f"hyper_parallel: layer '{name}' ran forward right after the layer that follows it in "
-            "the prefetch chain: the forward order is the opposite of the chain declared with "
-            "SwapManager().set_forward_prefetch_layer(a, b) (b must run after a), so offloads "
+            f"hyper_parallel: layer '{name}' ran forward before the layer that precedes it in "
+            "the prefetch chain (or right after the layer that follows it): the forward order "
+            "is not the chain declared with SwapManager().set_forward_prefetch_layer(a, b) (b "
+            "must run after a) or the order of apply_activation_memory's layers=, so offloads "
             "and prefetches happen at the wrong times. Declare the chain in forward order.")
     skipped = group.skipped
     if not skipped:

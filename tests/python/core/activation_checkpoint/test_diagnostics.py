@@ -150,7 +150,18 @@ def test_forward_against_the_chain_warns(cpu_swap, dev):
     manager = SwapManager()
     for i in range(2):  # declared 2 -> 1 -> 0, but the model runs 0, 1, 2
         manager.set_forward_prefetch_layer(layers[2 - i], layers[1 - i])
-    with pytest.warns(UserWarning, match="forward order is the opposite of the chain"):
+    with pytest.warns(UserWarning, match="the forward order is not the chain declared"):
+        step(model, dev)
+
+
+@pytest.mark.parametrize("order", [[3, 1, 2, 0], [2, 0, 1, 3], [1, 0, 2, 3]])
+def test_layers_given_out_of_forward_order_warn(order, cpu_swap, dev):
+    """apply_activation_memory chains layers= in the order given; an order that is not the
+    forward's without one reversed link used to pass silently (a tester: 3 -> 1 -> 2 -> 0
+    against 0, 1, 2, 3 left the first layer on the device and stalled backward twice)."""
+    model = Stack(layers=4).to(dev)
+    apply_activation_memory(model, "swap", layers=[f"layers.{i}" for i in order])
+    with pytest.warns(UserWarning, match="the forward order is not the chain declared"):
         step(model, dev)
 
 
