@@ -182,6 +182,21 @@ def layer_node(obj, create: bool = False) -> _LayerNode | None:
     return node
 
 
+def _through_compile(obj):
+    """The activation wrapper inside ``torch.compile(wrapper)`` (torch's OptimizedModule),
+    else ``obj``. The wrapper opens its own regions (inside the compiled code), so its
+    schedule node must be on it: a chain declared over the compiled modules as they sit in
+    the model would otherwise link the OptimizedModule, whose node the wrapper never reads.
+    Other compiled modules stay as they are (their forward hooks open the regions, around
+    the compiled call)."""
+    inner = (obj.__dict__.get("_modules", {}).get("_orig_mod")
+             if isinstance(obj, torch.nn.Module) else None)
+    if (isinstance(inner, torch.nn.Module) and type(obj).__name__ == "OptimizedModule"
+            and "_checkpoint_wrapped_module" in inner.__dict__.get("_modules", {})):
+        return inner
+    return obj
+
+
 def _delay_value(value, what: str) -> float:
     """A CPU-swap delay in nanoseconds per byte, validated at the boundary."""
     try:
@@ -241,6 +256,7 @@ class SwapManager:
             ValueError: when ``first is second``, or when the link would close a cycle
                 (``first`` already runs after ``second``).
         """
+        first, second = _through_compile(first), _through_compile(second)
         if first is second:
             raise ValueError("hyper_parallel: set_forward_prefetch_layer(a, b) needs two "
                              "different layers; got the same object twice")
@@ -302,6 +318,7 @@ class SwapManager:
         ``set_forward_prefetch_layer``) from the chain, with its hooks; its neighbours are
         no longer linked through it (link them again if the chain should stay whole).
         Submodules keep their own registrations (see :meth:`unregister`)."""
+        module = _through_compile(module)
         inner = getattr(module, "_hp_wrapped", None)
         self._unregister_objs([module] + ([inner] if inner is not None else []))
 

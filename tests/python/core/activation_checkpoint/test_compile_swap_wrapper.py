@@ -98,3 +98,45 @@ def test_compiled_wrapper_takes_its_host_blocks_from_its_cpu_pool(host_swap):
     with pytest.raises(RuntimeError, match="hyper_parallel: host pool full"):
         torch.compile(swap_wrapper(twin_block()[1], cpu_pool=tiny),
                       backend=CountingBackend())(x0.clone().requires_grad_()).sum().backward()
+
+
+def test_a_chain_over_the_compiled_wrappers_links_the_wrappers_inside(host_swap):
+    """Layers as they sit in the model after torch.compile(swap_wrapper(layer)) are torch's
+    OptimizedModules; a chain declared over them linked nothing (a tester: every region
+    warned it was in no prefetch schedule) unless given layer._orig_mod."""
+    import warnings
+
+    fresh()
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+        for _ in range(3))
+    import copy
+
+    plain = copy.deepcopy(layers)
+    for i in range(3):
+        layers[i] = torch.compile(swap_wrapper(layers[i]), backend="aot_eager")
+    for a, b in zip(layers, layers[1:]):
+        host_swap.set_forward_prefetch_layer(a, b)
+    x = torch.randn(2, 4, 8)
+
+    def run(stack):
+        h = x
+        for layer in stack:
+            h = layer(h)
+        h.square().mean().backward()
+        return [p.grad for p in stack.parameters()]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run(layers)
+    assert not [w for w in caught if "prefetch schedule" in str(w.message)]
+    host_swap.synchronize()
+    assert host_swap.stats()["on_demand_reloads"] == 0
+    assert host_swap.stats()["offload_bytes"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, run(plain)))
+    from hyper_parallel.core.activation_checkpoint._swap_manager import layer_node
+
+    assert layer_node(layers[1]._orig_mod) is not None
+    host_swap.unregister_forward_prefetch_layer(layers[1])  # through the compiled module
+    assert layer_node(layers[1]._orig_mod) is None
