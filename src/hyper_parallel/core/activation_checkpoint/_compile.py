@@ -223,7 +223,24 @@ torch._dynamo.config.reorderable_logging_functions.add(warn_exclusions_not_compi
 
 
 # --------------------------------------------------------------------------- swap regions
-@torch.compiler.disable
+_SWAP_BREAK_REASON = (
+    "hyper_parallel: a swap region opens and closes outside the compiled graph (the "
+    "engine's saved-tensor hooks and swap group: two graph breaks per swap layer), so "
+    "torch.compile(fullgraph=True) cannot trace it. Drop fullgraph=True, or compile the "
+    "block inside the wrapper instead: swap_wrapper(torch.compile(block)).")
+
+
+def _graph_break(fn):
+    """``torch.compiler.disable`` with the reason dynamo prints where a graph break is an
+    error (fullgraph=True); without one it says "reason: None" and hints at removing the
+    disable, which a user cannot do. (torch before 2.8 has no ``reason``.)"""
+    try:
+        return torch.compiler.disable(fn, reason=_SWAP_BREAK_REASON)
+    except TypeError:
+        return torch.compiler.disable(fn)
+
+
+@_graph_break
 def swap_region_enter(wrapper, inner, policy_fn, group_swap, cpu_pool=None):
     """Opens the swap region of ``wrapper`` (a ``SwapWrapper`` traced by dynamo) eagerly:
     the engine's group and its saved-tensor hooks are live while the compiled body that
@@ -236,7 +253,7 @@ def swap_region_enter(wrapper, inner, policy_fn, group_swap, cpu_pool=None):
     return None if region is None else region.__enter__()
 
 
-@torch.compiler.disable
+@_graph_break
 def swap_region_exit(region, out, failed: bool = False):
     """Closes what :func:`swap_region_enter` opened (the second graph break): hands the
     group to the schedule and hooks its prefetch to the outputs' backward, or aborts

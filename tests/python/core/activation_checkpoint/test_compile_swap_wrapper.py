@@ -140,3 +140,16 @@ def test_a_chain_over_the_compiled_wrappers_links_the_wrappers_inside(host_swap)
     assert layer_node(layers[1]._orig_mod) is not None
     host_swap.unregister_forward_prefetch_layer(layers[1])  # through the compiled module
     assert layer_node(layers[1]._orig_mod) is None
+
+
+@pytest.mark.filterwarnings("ignore:hyper_parallel. swap region")
+def test_fullgraph_names_the_swap_region_and_what_to_do(host_swap):
+    """fullgraph=True cannot hold a swap region's two graph breaks; dynamo's error used to
+    say 'reason: None' and hint at removing a torch.compiler.disable call the user never
+    wrote (a tester)."""
+    fresh()
+    _, block = twin_block()
+    compiled = torch.compile(swap_wrapper(block), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"(?s)hyper_parallel: a swap region opens and closes "
+                                        r"outside the compiled graph.*fullgraph=True"):
+        compiled(torch.randn(4, 8))
