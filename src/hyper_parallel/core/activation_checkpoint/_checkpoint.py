@@ -463,7 +463,8 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
             opened = []
             ckpt_kwargs["context_fn"] = region_context_fn(
                 policy, context_fn, allow_cache_entry_mutation, _describer(function), report,
-                region_args=dict(name=name, group_swap=group_swap, cpu_pool=pool),
+                region_args=dict(name=name, group_swap=group_swap, cpu_pool=pool,
+                                 quiet=getattr(function, "_hp_unschedulable", False)),
                 on_region=opened.append)
             out = torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
             for region in opened:
@@ -473,7 +474,8 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     # region's inputs must reach the enclosing frame's saved-tensor hook (it recomputes them).
     pack_mode = SWAP_ALL if swap_inputs else REGISTERED_ONLY
     region = Region(node.layer_id if node is not None else -1, name, pack_mode, None,
-                    group_swap, cpu_pool=pool)
+                    group_swap, cpu_pool=pool,
+                    quiet=getattr(function, "_hp_unschedulable", False))
     with region:
         out = torch_checkpoint.checkpoint(call, *call_args, **ckpt_kwargs)
     region.attach_backward(out)
@@ -493,7 +495,10 @@ def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwar
         input: the first function's input.
         use_reentrant: as in :func:`checkpoint` (``True``: torch's reentrant frame).
         **kwargs: :func:`checkpoint`'s options (``preserve_rng_state``, ``policy_fn``,
-            ``swap_inputs``, ...), applied to every segment.
+            ``swap_inputs``, ...), applied to every segment. The segments are made on every
+            call, so no prefetch chain can name them: what they swap (``swap_inputs``,
+            ``MUST_SWAP``) is reloaded when each segment's backward starts, without overlap
+            (wrap the layers and chain them, or use ``apply_activation_memory``, for that).
 
     Returns:
         The last function's output.
@@ -534,6 +539,10 @@ def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwar
             for fn in part:
                 x = fn(x)
             return x
+        # A segment is a new function on every call: no chain can name it, so its swapped
+        # tensors (swap_inputs, MUST_SWAP) reload when its backward starts, and the region
+        # does not ask for a chain it cannot get.
+        forward._hp_unschedulable = True
         return forward
 
     end = 0

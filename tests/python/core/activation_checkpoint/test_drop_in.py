@@ -11,8 +11,10 @@ from __future__ import annotations
 import enum
 import functools
 import pickle
+import warnings
 
 import pytest
+
 import torch
 import torch.utils.checkpoint as tc
 from torch import nn
@@ -208,6 +210,26 @@ def test_checkpoint_sequential_matches_torchs_and_no_checkpoint():
     with pytest.raises(TypeError, match=r"^hyper_parallel: checkpoint_sequential's functions "
                                         r"must all be callable; item 1 is a int"):
         checkpoint_sequential([seq[0], 3], 1, x)
+
+
+@pytest.mark.parametrize("options", [{"swap_inputs": True},
+                                     {"policy_fn": {aten.addmm: CheckpointPolicy.MUST_SWAP}}],
+                         ids=["swap_inputs", "must_swap"])
+def test_checkpoint_sequential_swaps_without_asking_for_a_chain(options, host_swap):
+    """Its segments are new functions on every call: the unscheduled-region warning asked
+    the user to chain them, which no one can (a tester). They swap and reload on demand."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*[nn.Sequential(nn.Linear(D, D), nn.ReLU()) for _ in range(4)])
+    x = torch.randn(4, D)
+    ref = _grads(seq, x, _plain)
+    host_swap.reset_stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _grads(seq, x, lambda m, t: checkpoint_sequential(m, 4, t, **options))
+    assert _equal(got, ref)
+    assert not [w for w in caught if "prefetch schedule" in str(w.message)]
+    host_swap.synchronize()
+    assert host_swap.stats()["offload_bytes"] > 0
 
 
 def _mutated_output_region(allow):
