@@ -503,14 +503,16 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_budget(text: str | int | float, none_peak_bytes: int | None = None, *,
-                 name: str = "budget") -> int:
+                 name: str = "budget", fractions: bool = True, zero: bool = False) -> int:
     """Bytes from ``"300MiB"``, ``"2GB"``, ``"123456"``, ``"1.5e9"`` or a fraction of
     "none"'s peak (``"0.4"`` or ``0.4``: a number in (0, 1] written with a point or an
     exponent, which needs ``none_peak_bytes``). Any other number without a unit (or with
     ``B``), string or float alike, is bytes and must be a whole number (``"1.5"`` and
     ``1.5`` are both refused; ``"1.5MiB"`` is 1572864 bytes).
 
-    ``name``: what the messages call the value (``"host_budget_bytes"``).
+    ``name``: what the messages call the value (``"host_budget_bytes"``). ``fractions=False``:
+    sizes only (a host budget: "0.4" is refused, and the messages offer no fraction).
+    ``zero=True``: 0 bytes is a size (in any unit, ``0`` and ``"0B"`` alike).
 
     Raises:
         ValueError: for anything else: not a number or size, NaN or infinite, zero or
@@ -518,9 +520,10 @@ def parse_budget(text: str | int | float, none_peak_bytes: int | None = None, *,
             ``none_peak_bytes``.
     """
     # numbers.Integral / Real: NumPy's scalars too (np.int64 from a computed budget)
+    offer = " or a fraction of none's peak (0.4)" if fractions else ""
     if isinstance(text, bool) or not isinstance(text, (numbers.Real, str)):
         raise ValueError(f"hyper_parallel: {name} {text!r} is not a size; pass bytes (an "
-                         "int), a size string (300MiB, 2GB) or a fraction of none's peak (0.4)")
+                         f"int), a size string (300MiB, 2GB){offer}")
     if isinstance(text, numbers.Integral):
         value, unit, fraction = float(text), "", False
     elif isinstance(text, numbers.Real):
@@ -529,13 +532,21 @@ def parse_budget(text: str | int | float, none_peak_bytes: int | None = None, *,
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"hyper_parallel: {name} {text!r} is neither a fraction of none's "
-                             "peak (e.g. 0.4) nor a size (e.g. 300MiB, 2GB, 123456)")
+            raise ValueError(
+                f"hyper_parallel: {name} {text!r} is neither a fraction of none's peak (e.g. "
+                "0.4) nor a size (e.g. 300MiB, 2GB, 123456)" if fractions else
+                f"hyper_parallel: {name} {text!r} is not a size (e.g. 300MiB, 2GB, 123456)")
         value, unit = float(m.group(1)), m.group(2).lower()
         fraction = unit == "" and 0 < value <= 1 and any(c in m.group(1) for c in ".eE")
+    if zero and value == 0:
+        return 0
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"hyper_parallel: {name} {text!r} must be a positive, finite size")
+        raise ValueError(f"hyper_parallel: {name} {text!r} must be a "
+                         f"{'non-negative' if zero else 'positive'}, finite size")
     if fraction:
+        if not fractions:
+            raise ValueError(f"hyper_parallel: {name} {text!r} reads as a fraction, and "
+                             f"{name} is a size; pass bytes (an int) or a size string (8GiB)")
         if none_peak_bytes is None:
             raise ValueError(f"hyper_parallel: {name} {text!r} reads as a fraction, and a "
                              "fraction needs none's measured peak, not known here; pass "
@@ -544,7 +555,8 @@ def parse_budget(text: str | int | float, none_peak_bytes: int | None = None, *,
     nbytes = value * _UNITS[unit]
     if unit in ("", "b") and not value.is_integer():  # the same rule for str and float
         raise ValueError(f"hyper_parallel: {name} {text!r} is neither a fraction of none's "
-                         "peak (a number in (0, 1]) nor a whole number of bytes")
+                         "peak (a number in (0, 1]) nor a whole number of bytes" if fractions
+                         else f"hyper_parallel: {name} {text!r} is not a whole number of bytes")
     if nbytes < 1 or nbytes > _MAX_BYTES:
         raise ValueError(f"hyper_parallel: {name} {text!r} must be between 1 byte and "
                          f"{_MAX_BYTES} bytes")
@@ -783,4 +795,4 @@ def _host_budget(value) -> int | None:
             raise ValueError(f"hyper_parallel: host_budget_bytes must be between 0 and "
                              f"{_MAX_BYTES} bytes, got {value}")
         return value
-    return parse_budget(value, name="host_budget_bytes")
+    return parse_budget(value, name="host_budget_bytes", fractions=False, zero=True)

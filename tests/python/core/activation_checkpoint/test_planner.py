@@ -322,6 +322,24 @@ def test_bad_budget_is_refused_before_profiling():
     assert steps == []  # the step never ran
 
 
+def test_host_budget_sizes_zero_alike_and_offers_no_fraction():
+    """0 bytes of host memory is one rule in every spelling (a tester: 0 was accepted, "0"
+    and "0B" refused), and a bad host budget is not told to be a fraction, which a host
+    budget cannot be."""
+    from hyper_parallel.core.activation_checkpoint._planner import _host_budget
+
+    assert [_host_budget(v) for v in (0, "0", "0B", " 0 MiB", "2KiB")] == [0, 0, 0, 0, 2048]
+    for bad, message in (("abc", "is not a size"), ("1.5", "is not a whole number of bytes"),
+                         ("0.4", "reads as a fraction, and host_budget_bytes is a size"),
+                         ([1], "is not a size")):
+        with pytest.raises(ValueError, match=message) as err:
+            _host_budget(bad)
+        assert "0.4)" not in str(err.value) and "none's peak" not in str(err.value)
+    assert parse_budget("0.4", 1000) == 400  # the device budget still takes fractions
+    with pytest.raises(ValueError, match="positive, finite size"):
+        parse_budget("0B")
+
+
 def test_bad_candidates():
     model, x = _setup(layers=2)
     with pytest.raises(ValueError, match="hyper_parallel: candidate 'mixed'"):
