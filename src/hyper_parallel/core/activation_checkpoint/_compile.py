@@ -163,9 +163,14 @@ def checkpoint(function, args: tuple, kwargs: dict, policy_fn=None, context_fn=N
             "context_fn, not both (torch compiles one pair of selective-checkpoint "
             "contexts per region); fold the policy into one of them, or keep this region "
             "eager with checkpoint_wrapper(torch.compile(block), ...).")
-    options = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state,
-               "context_fn": functools.partial(_compiled_contexts, policy_fn, context_fn,
-                                               swap_inputs, group_swap)}
+    options = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
+    if policy_fn is not None or context_fn is not None or swap_inputs or group_swap:
+        options["context_fn"] = functools.partial(_compiled_contexts, policy_fn, context_fn,
+                                                  swap_inputs, group_swap)
+    # else full recompute: torch's own compiled checkpoint, which recomputes every op,
+    # collectives included (eager regions keep collective results; docs/design.md, "Known
+    # limits"), and says nothing (a context_fn makes torch warn about in-place ops once
+    # per process, advice for selective regions).
     if determinism_check is not None:
         options["determinism_check"] = determinism_check
     return torch_checkpoint.checkpoint(function, *args, **options, **kwargs)

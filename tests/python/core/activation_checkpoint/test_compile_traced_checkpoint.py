@@ -219,3 +219,22 @@ def test_our_contexts_given_to_torchs_checkpoint_under_compile(form):
         results.append(train_steps(step, torch.randn(4, 8), params=block.parameters()))
     assert_same(results[0], results[1])
     assert results[0][3] == results[1][3]  # the same saved bytes
+
+
+def test_a_full_recompute_region_is_torchs_own_compiled_checkpoint(monkeypatch):
+    """No policy, context_fn or swap option: torch's compiled checkpoint as it is, with no
+    context_fn (one made torch log its in-place advice for selective regions on every
+    process, which torch's own checkpoint does not: a tester); with a policy, ours."""
+    seen = []
+    real = torch_checkpoint.checkpoint
+
+    def spy(fn, *args, **kwargs):
+        seen.append("context_fn" in kwargs)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(_compile.torch_checkpoint, "checkpoint", spy)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    x = torch.randn(2, 8, requires_grad=True)
+    _compile.checkpoint(block, (x,), {})
+    _compile.checkpoint(block, (x,), {}, policy_fn=[torch.ops.aten.mm])
+    assert seen == [False, True]
