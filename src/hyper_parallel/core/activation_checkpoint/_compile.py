@@ -246,16 +246,34 @@ def _graph_break(fn):
 
 
 @_graph_break
-def swap_region_enter(wrapper, inner, policy_fn, group_swap, cpu_pool=None):
-    """Opens the swap region of ``wrapper`` (a ``SwapWrapper`` traced by dynamo) eagerly:
-    the engine's group and its saved-tensor hooks are live while the compiled body that
-    follows runs, so the compiled function's saved tensors are swapped like eager ones.
-    One graph break (dynamo does not trace a disabled function); returns the region, or
-    ``None`` where the body runs plainly (recompute, no grad)."""
+def swap_region_enter(wrapper, inner, policy_fn, group_swap, cpu_pool=None,
+                      state_module=True):
+    """Opens the swap region of ``wrapper`` (a ``SwapWrapper``, a function wrapper or a
+    ``swap`` call traced by dynamo) eagerly: the engine's group and its saved-tensor hooks
+    are live while the compiled body that follows runs, so the compiled function's saved
+    tensors are swapped like eager ones. One graph break (dynamo does not trace a disabled
+    function); returns the region, or ``None`` where the body runs plainly (recompute, no
+    grad). ``state_module``: True for ``inner`` itself (a module wrapper), else the module
+    whose parameters and buffers are never swapped, or None."""
     from ._swap import LayerCall, swap_region
 
-    region = swap_region(LayerCall(wrapper, inner, inner), policy_fn, group_swap, cpu_pool)
+    state = inner if state_module is True else state_module
+    region = swap_region(LayerCall(wrapper, inner, state), policy_fn, group_swap, cpu_pool)
     return None if region is None else region.__enter__()
+
+
+def swap_traced(wrapper, inner, args, kwargs, policy_fn, group_swap, cpu_pool=None,
+                state_module=True):
+    """``inner(*args, **kwargs)`` in the swap region of ``wrapper`` while dynamo traces it:
+    the region opens and closes eagerly around the compiled body (two graph breaks)."""
+    region = swap_region_enter(wrapper, inner, policy_fn, group_swap, cpu_pool, state_module)
+    try:
+        out = inner(*args, **kwargs)
+    except BaseException:
+        swap_region_exit(region, None, True)
+        raise
+    swap_region_exit(region, out)
+    return out
 
 
 @_graph_break

@@ -105,6 +105,10 @@ def swap(function, *args, policy_fn=None, group_swap=False, cpu_pool=None, **kwa
     SwapManager()  # applies HYPER_PARALLEL_CPU_SWAP on first use
     check_swap_policy(policy_fn)
     pool = native_pool(cpu_pool)
+    if _compile.is_compiling():  # as a swap wrapper traced by dynamo (two graph breaks)
+        return _compile.swap_traced(function, function, args, kwargs, policy_fn, group_swap,
+                                    cpu_pool, state_module=function if isinstance(
+                                        function, torch.nn.Module) else None)
     return _run_swapped(function, function, args, kwargs, policy_fn, group_swap, pool)
 
 

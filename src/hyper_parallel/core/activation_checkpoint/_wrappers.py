@@ -300,15 +300,8 @@ class SwapWrapper(ActivationWrapper):
         if _compile.is_compiling():
             # Traced by dynamo: the region opens and closes eagerly around the compiled
             # body (two graph breaks, docs/design.md "torch.compile").
-            region = _compile.swap_region_enter(self, inner, self._hp_policy_fn,
-                                                self._hp_group_swap, self._hp_cpu_pool)
-            try:
-                out = inner(*args, **kwargs)
-            except BaseException:
-                _compile.swap_region_exit(region, None, True)
-                raise
-            _compile.swap_region_exit(region, out)
-            return out
+            return _compile.swap_traced(self, inner, args, kwargs, self._hp_policy_fn,
+                                        self._hp_group_swap, self._hp_cpu_pool)
         # The per-layer hot path in one C++ call (issue 17): _swap_forward_python below is
         # what it does, and what it falls back to.
         pool = self._hp_cpu_pool
@@ -381,6 +374,9 @@ def swap_wrapper(module_or_fn, policy_fn=None, group_swap=False, cpu_pool=None):
 
     @functools.wraps(module_or_fn)
     def wrapped(*args, **kwargs):  # (one C++ call: _swap_forward_python says what it does)
+        if _compile.is_compiling():  # as SwapWrapper.forward (a builtin dynamo cannot trace)
+            return _compile.swap_traced(wrapped, module_or_fn, args, kwargs, policy_fn,
+                                        group_swap, cpu_pool, state_module=None)
         return _swap_forward(wrapped, module_or_fn, args, kwargs, policy_fn, group_swap, pool,
                              None, False)
 

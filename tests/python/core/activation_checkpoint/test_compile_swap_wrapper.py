@@ -153,3 +153,40 @@ def test_fullgraph_names_the_swap_region_and_what_to_do(host_swap):
     with pytest.raises(Exception, match=r"(?s)hyper_parallel: a swap region opens and closes "
                                         r"outside the compiled graph.*fullgraph=True"):
         compiled(torch.randn(4, 8))
+
+
+@pytest.mark.filterwarnings("ignore:hyper_parallel. swap region")
+@pytest.mark.parametrize("form", ["function_wrapper", "swap_call"])
+def test_function_wrappers_and_swap_calls_compile_like_the_module_wrapper(form, host_swap):
+    """A swap_wrapper'd function and a swap(block, x) call traced by dynamo: regions opened
+    and closed around the compiled body, as for the module wrapper, where they fell into
+    dynamo's fallback for a builtin it cannot trace (warnings about _C.swap_forward, a
+    tester)."""
+    import warnings
+
+    from hyper_parallel.core.activation_checkpoint import swap
+
+    fresh()
+    eager_block, block = twin_block()
+    x0 = torch.randn(4, 8)
+    eager = train_steps(eager_block, x0, steps=1)
+    fresh()
+    call = swap_wrapper(lambda t: block(t)) if form == "function_wrapper" else (
+        lambda t: swap(block, t))
+    compiled = torch.compile(call, backend="aot_eager")
+
+    class Holder(torch.nn.Module):  # train_steps takes a module
+        def __init__(self):
+            super().__init__()
+            self.block = block
+
+        def forward(self, t):
+            return compiled(t)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = train_steps(Holder(), x0, steps=1)
+    assert not [w for w in caught if "Dynamo does not know" in str(w.message)]
+    host_swap.synchronize()
+    assert host_swap.stats()["offload_bytes"] > 0
+    assert_same(eager, got)
