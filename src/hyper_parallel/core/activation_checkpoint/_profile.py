@@ -801,6 +801,17 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
     if not isinstance(model, nn.Module):
         raise TypeError(f"hyper_parallel: profile_activation_memory expects an nn.Module, got "
                         f"{type(model).__name__}")
+    if type(model).__name__ == "OptimizedModule" and isinstance(
+            model.__dict__.get("_modules", {}).get("_orig_mod"), nn.Module):
+        # (a tester: dynamo traced the profiling hooks, breaking the graph at every layer,
+        # and the plan's layer names began with "_orig_mod.")
+        raise ValueError(
+            "hyper_parallel: profile_activation_memory / plan_activation_memory got a "
+            "torch.compile'd model: dynamo would trace the profiling hooks and break the "
+            "graph at every layer (the timings would not be the compiled step's), and the "
+            "plan's layer names would start with '_orig_mod.'. Plan the model before "
+            "compiling it (a step_fn that calls the uncompiled model), apply the plan, then "
+            "torch.compile the model.")
     if not callable(step_fn):
         raise TypeError("hyper_parallel: step_fn must be a callable running one forward and "
                         "backward, e.g. lambda: model(x).loss.backward()")

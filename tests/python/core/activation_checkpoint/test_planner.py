@@ -340,6 +340,16 @@ def test_host_budget_sizes_zero_alike_and_offers_no_fraction():
         parse_budget("0B")
 
 
+def test_a_compiled_model_is_refused_with_what_to_do():
+    model, x = _setup(layers=2)
+    compiled = torch.compile(model, backend="eager")
+    steps = []
+    with pytest.raises(ValueError, match=r"hyper_parallel: .*torch.compile'd model.*Plan the "
+                                         r"model before compiling it"):
+        plan_activation_memory(compiled, lambda: steps.append(1), "1MiB")
+    assert steps == []
+
+
 def test_bad_candidates():
     model, x = _setup(layers=2)
     with pytest.raises(ValueError, match="hyper_parallel: candidate 'mixed'"):
