@@ -319,15 +319,18 @@ PyObject* module_dict_entry(PyObject* dict, PyObject* key) {
   return (entry != nullptr && PyDict_Check(entry)) ? entry : nullptr;
 }
 
-// `seen`: the modules walked so far (a submodule shared by two parents is walked once; a
-// transformer block has tens of modules, so a linear scan beats a hash set).
-void exclude_module_tree(SwapGroup& g, PyObject* module, c10::SmallVectorImpl<PyObject*>& seen,
-                         int depth) {
+// Calls visit(entries, key, value) for every entry of the _parameters and _buffers dicts
+// of `module`'s tree. `seen`: the modules walked so far (a submodule shared by two parents
+// is walked once; a transformer block has tens of modules, so a linear scan beats a hash
+// set). `what` names the caller in the error for a tree too deep (a cycle).
+template <class Visit>
+void walk_module_state(PyObject* module, c10::SmallVectorImpl<PyObject*>& seen, int depth,
+                       const char* what, Visit&& visit) {
   for (PyObject* m : seen) {
     if (m == module) return;
   }
   seen.push_back(module);
-  HP_CHECK(depth < 1000, "the module tree given to a swap region is more than 1000 levels "
+  HP_CHECK(depth < 1000, "the module tree given to a ", what, " is more than 1000 levels "
            "deep (a cycle in _modules?); check the model's submodule structure.");
   PyObject** dict_ptr = _PyObject_GetDictPtr(module);
   if (dict_ptr == nullptr || *dict_ptr == nullptr) return;
@@ -337,50 +340,21 @@ void exclude_module_tree(SwapGroup& g, PyObject* module, c10::SmallVectorImpl<Py
     if (PyObject* entries = module_dict_entry(dict, state)) {
       PyObject *key, *value;
       Py_ssize_t pos = 0;
-      while (PyDict_Next(entries, &pos, &key, &value)) exclude_one(g, value);
+      while (PyDict_Next(entries, &pos, &key, &value)) visit(entries, key, value);
     }
   }
   if (PyObject* children = module_dict_entry(dict, keys.modules)) {
     PyObject *key, *child;
     Py_ssize_t pos = 0;
     while (PyDict_Next(children, &pos, &key, &child)) {
-      if (child != Py_None) exclude_module_tree(g, child, seen, depth + 1);
+      if (child != Py_None) walk_module_state(child, seen, depth + 1, what, visit);
     }
   }
 }
 
-// Appends (dict, key, value) for every entry of the _parameters and _buffers dicts of
-// `module`'s tree (shared submodules once) to `out`.
-void module_state_tree(PyObject* module, c10::SmallVectorImpl<PyObject*>& seen,
-                       std::vector<py::object>& out, int depth) {
-  for (PyObject* m : seen) {
-    if (m == module) return;
-  }
-  seen.push_back(module);
-  HP_CHECK(depth < 1000, "the module tree given to a checkpoint region is more than 1000 "
-           "levels deep (a cycle in _modules?); check the model's submodule structure.");
-  PyObject** dict_ptr = _PyObject_GetDictPtr(module);
-  if (dict_ptr == nullptr || *dict_ptr == nullptr) return;
-  PyObject* dict = *dict_ptr;
-  const ModuleKeys& keys = module_keys();
-  for (PyObject* state : {keys.parameters, keys.buffers}) {
-    if (PyObject* entries = module_dict_entry(dict, state)) {
-      PyObject *key, *value;
-      Py_ssize_t pos = 0;
-      while (PyDict_Next(entries, &pos, &key, &value)) {
-        out.push_back(py::reinterpret_borrow<py::object>(entries));
-        out.push_back(py::reinterpret_borrow<py::object>(key));
-        out.push_back(py::reinterpret_borrow<py::object>(value));
-      }
-    }
-  }
-  if (PyObject* children = module_dict_entry(dict, keys.modules)) {
-    PyObject *key, *child;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(children, &pos, &key, &child)) {
-      if (child != Py_None) module_state_tree(child, seen, out, depth + 1);
-    }
-  }
+void exclude_module_tree(SwapGroup& g, PyObject* module, c10::SmallVectorImpl<PyObject*>& seen) {
+  walk_module_state(module, seen, 0, "swap region",
+                    [&g](PyObject*, PyObject*, PyObject* value) { exclude_one(g, value); });
 }
 
 // The parameters and buffers `module`'s tree holds now, as a flat tuple of (dict, key,
@@ -389,7 +363,12 @@ void module_state_tree(PyObject* module, c10::SmallVectorImpl<PyObject*>& seen,
 py::tuple module_state_refs(const py::handle& module) {
   c10::SmallVector<PyObject*, 32> seen;
   std::vector<py::object> out;
-  module_state_tree(module.ptr(), seen, out, 0);
+  walk_module_state(module.ptr(), seen, 0, "checkpoint region",
+                    [&out](PyObject* entries, PyObject* key, PyObject* value) {
+                      out.push_back(py::reinterpret_borrow<py::object>(entries));
+                      out.push_back(py::reinterpret_borrow<py::object>(key));
+                      out.push_back(py::reinterpret_borrow<py::object>(value));
+                    });
   py::tuple refs(out.size());
   for (size_t i = 0; i < out.size(); ++i) refs[i] = std::move(out[i]);
   return refs;
@@ -440,7 +419,7 @@ void exclude_tensors(SwapGroup& group, const py::handle& tensors) {
 
 void exclude_module_state(SwapGroup& group, const py::handle& module) {
   c10::SmallVector<PyObject*, 32> seen;  // (no allocation for a block's module tree)
-  exclude_module_tree(group, module.ptr(), seen, 0);
+  exclude_module_tree(group, module.ptr(), seen);
 }
 
 namespace {

@@ -44,10 +44,22 @@ if _DEVICE.split(":")[0] == "hpsim":
 @pytest.fixture(autouse=True)
 def _fresh_once_warnings(monkeypatch):
     """Warnings the library gives once per process per cause are given again in each test."""
-    from hyper_parallel.core.activation_checkpoint import _apply, _diagnostics
+    import sys
 
-    monkeypatch.setattr(_diagnostics, "_warned", set())
-    monkeypatch.setattr(_apply, "_warned", set())
+    import hyper_parallel.core.activation_checkpoint  # noqa: F401 (loads its modules)
+
+    # Every module-level "_warned..." set (and flag) of the package: a test's expected
+    # warning must not depend on which tests ran before it in the process.
+    prefix = "hyper_parallel.core.activation_checkpoint."
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(prefix) or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            if attr.startswith("_warned"):
+                if isinstance(value, set):
+                    monkeypatch.setattr(module, attr, set())
+                elif isinstance(value, bool):
+                    monkeypatch.setattr(module, attr, False)
 
 
 def test_device() -> torch.device:
