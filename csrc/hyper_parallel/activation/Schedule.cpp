@@ -72,12 +72,17 @@ void Schedule::on_begin(const std::shared_ptr<SwapGroup>& group) {
   if (scheduled(layer)) {
     auto& state = last_begun_[thread];
     auto before = state.last.lock();
-    // Against the chain: itself an orphan while another chained invocation of this thread
-    // is alive (it ran before its predecessor; the first layer run of a pass has none
-    // alive before it), or begun while an orphan invocation of a layer after it in the
-    // chain is alive (that layer ran before it: a reversed link, or layers given out of
-    // order).
-    bool against = before && group->orphan;
+    // Against the chain: an orphan whose predecessor layer has not run, while another
+    // chained invocation of this thread is alive (it ran before its predecessor; the
+    // first layer run of a pass has none alive before it), or begun while such an orphan
+    // of a layer after it in the chain is alive (that layer ran before it: a reversed
+    // link, or layers given out of order).
+    bool misordered = false;
+    if (group->orphan) {
+      auto it = state.latest.find(predecessor(layer));
+      misordered = it == state.latest.end() || it->second.expired();
+    }
+    bool against = before && misordered;
     auto& orphans = state.orphans;
     if (!orphans.empty()) {
       orphans.erase(std::remove_if(orphans.begin(), orphans.end(),
@@ -89,7 +94,8 @@ void Schedule::on_begin(const std::shared_ptr<SwapGroup>& group) {
       }
     }
     group->order_reversed = against;
-    if (group->orphan && orphans.size() < 64) orphans.push_back(group);
+    if (misordered && orphans.size() < 64) orphans.push_back(group);
+    state.latest[layer] = group;
     state.last = group;
   }
   if (unlinked_.size() > sweep_at_) sweep_unlinked();

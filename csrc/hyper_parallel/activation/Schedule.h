@@ -85,12 +85,15 @@ class Schedule {
   static constexpr size_t kMinSweepAt = 256;
   size_t sweep_at_ = kMinSweepAt;
   void sweep_unlinked();
-  // Per thread: the invocation of a chained layer that began last, and the orphan
-  // invocations (no predecessor invocation found) that may still be alive: a layer that
-  // begins while an orphan of a layer after it in the chain is alive runs against the
-  // chain (none in a forward that follows the chain, so nothing to scan then).
+  // Per thread: the invocation of a chained layer that began last, the latest invocation
+  // of each chained layer, and the orphan invocations (no predecessor invocation to link
+  // to) whose predecessor layer had not run: a layer that begins while such an orphan of a
+  // layer after it in the chain is alive runs against the chain (none in a forward that
+  // follows the chain, so nothing to scan then). An orphan whose predecessor layer did run
+  // is a layer called again in the same forward (weight sharing), not a misordering.
   struct ThreadState {
     std::weak_ptr<SwapGroup> last;
+    std::unordered_map<int64_t, std::weak_ptr<SwapGroup>> latest;
     std::vector<std::weak_ptr<SwapGroup>> orphans;
   };
   std::unordered_map<std::thread::id, ThreadState> last_begun_;

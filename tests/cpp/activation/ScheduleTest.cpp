@@ -390,6 +390,22 @@ TEST(ScheduleTest, ForwardAgainstTheChainIsFlagged) {
     EXPECT_TRUE(gs[1]->order_reversed);
     EXPECT_TRUE(gs[3]->order_reversed);
   }
+  // A layer called again in the same forward (weight sharing: l0, l1, l2, l1 over
+  // l0 -> l1 -> l2) finds no free predecessor invocation, but its predecessor ran: not
+  // against the chain, and the next pass (another micro-batch, the first still alive) is
+  // not flagged either.
+  {
+    Chain w;
+    std::vector<std::shared_ptr<SwapGroup>> live;
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int64_t layer : {w.l0, w.l1, w.l2, w.l1}) {
+        live.push_back(make_group(100 + static_cast<int64_t>(live.size()), layer));
+        w.s.on_begin(live.back());
+        EXPECT_FALSE(live.back()->order_reversed) << pass << " " << layer;
+      }
+    }
+    EXPECT_TRUE(live[3]->orphan);
+  }
   // In order, twice (the second pass starts right after the first pass's last layer):
   // never flagged.
   Chain d;

@@ -165,6 +165,35 @@ def test_layers_given_out_of_forward_order_warn(order, cpu_swap, dev):
         step(model, dev)
 
 
+def test_a_layer_called_twice_per_forward_does_not_warn(cpu_swap, dev):
+    """Weight sharing (layer 1 runs again after layer 2) finds no free predecessor
+    invocation the second time, but is not a forward against the chain; nor is a second
+    micro-batch's forward while the first one's graph is alive."""
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+                                        for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.layers[1](x).sum()
+
+    model = Shared().to(dev)
+    reference = twin(model)
+    apply_activation_memory(model, "swap")
+    xs = [torch.randn(2, 4, 32, device=dev) for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = [model(x) for x in xs]  # two micro-batches, then their backwards
+        sum(losses).backward()
+    assert not [w for w in caught if "forward order" in str(w.message)]
+    sum(reference(x) for x in xs).backward()
+    assert_bitwise(grads(model), grads(reference))
+
+
 def test_forward_in_chain_order_does_not_warn(cpu_swap, dev):
     model = Stack(layers=3).to(dev)
     apply_activation_memory(model, "swap")
