@@ -1,5 +1,7 @@
 #include "Bindings.h"
 
+#include <ATen/EmptyTensor.h>
+
 #include "hyper_parallel/activation/CheckpointPolicy.h"
 #include "hyper_parallel/activation/Eligibility.h"
 #include "hyper_parallel/activation/SavedBytesMeter.h"
@@ -319,7 +321,8 @@ PyObject* module_dict_entry(PyObject* dict, PyObject* key) {
   return (entry != nullptr && PyDict_Check(entry)) ? entry : nullptr;
 }
 
-// Calls visit(entries, key, value) for every entry of the _parameters and _buffers dicts
+// Calls visit(is_parameter, entries, key, value) for every entry of the _parameters and
+// _buffers dicts
 // of `module`'s tree. `seen`: the modules walked so far (a submodule shared by two parents
 // is walked once; a transformer block has tens of modules, so a linear scan beats a hash
 // set). `what` names the caller in the error for a tree too deep (a cycle).
@@ -340,7 +343,9 @@ void walk_module_state(PyObject* module, c10::SmallVectorImpl<PyObject*>& seen, 
     if (PyObject* entries = module_dict_entry(dict, state)) {
       PyObject *key, *value;
       Py_ssize_t pos = 0;
-      while (PyDict_Next(entries, &pos, &key, &value)) visit(entries, key, value);
+      while (PyDict_Next(entries, &pos, &key, &value)) {
+        visit(state == keys.parameters, entries, key, value);
+      }
     }
   }
   if (PyObject* children = module_dict_entry(dict, keys.modules)) {
@@ -354,21 +359,54 @@ void walk_module_state(PyObject* module, c10::SmallVectorImpl<PyObject*>& seen, 
 
 void exclude_module_tree(SwapGroup& g, PyObject* module, c10::SmallVectorImpl<PyObject*>& seen) {
   walk_module_state(module, seen, 0, "swap region",
-                    [&g](PyObject*, PyObject*, PyObject* value) { exclude_one(g, value); });
+                    [&g](bool, PyObject*, PyObject*, PyObject* value) { exclude_one(g, value); });
 }
 
-// The parameters and buffers `module`'s tree holds now, as a flat tuple of (dict, key,
-// value) triples: what a recompute puts back (put_module_state) when the module holds
-// other tensors by then (torch.func.functional_call swapped them in for the forward only).
-py::tuple module_state_refs(const py::handle& module) {
+// Whether `obj` is a torch.nn.Parameter (a module's own parameter).
+bool is_parameter_object(PyObject* obj) {
+  static PyObject* cls =
+      py::object(py::module_::import("torch.nn").attr("Parameter")).release().ptr();  // leaked
+  const int r = PyObject_IsInstance(obj, cls);
+  if (r < 0) throw py::error_already_set();
+  return r == 1;
+}
+
+// What a module's tree holds before a checkpoint region's forward, for its recompute to
+// put back (put_module_state) where the slot was swapped for the forward only: a flat
+// tuple of (dict, key, holder, is_parameter) entries. `modules`: a module, or a list of
+// them (checkpoint_sequential's segment). Recorded:
+//  * parameter slots holding a plain tensor, not an nn.Parameter (what
+//    torch.func.functional_call or a stateless reparametrization puts there), by a weak
+//    reference: put back while the caller still holds it (as one does a functional_call's
+//    parameters until backward), and a framework's gathered copy dropped after its layer
+//    is not kept alive until the recompute (a tester: every layer's gathered weight alive
+//    at once);
+//  * buffer slots, strongly (a buffer reassigned in forward is read again by recompute).
+// Parameter slots holding an nn.Parameter are the module's own and never put back.
+py::tuple module_state_refs(const py::handle& modules) {
   c10::SmallVector<PyObject*, 32> seen;
   std::vector<py::object> out;
-  walk_module_state(module.ptr(), seen, 0, "checkpoint region",
-                    [&out](PyObject* entries, PyObject* key, PyObject* value) {
-                      out.push_back(py::reinterpret_borrow<py::object>(entries));
-                      out.push_back(py::reinterpret_borrow<py::object>(key));
-                      out.push_back(py::reinterpret_borrow<py::object>(value));
-                    });
+  static PyObject* weakref_type =
+      py::object(py::module_::import("weakref").attr("ref")).release().ptr();  // leaked
+  auto visit = [&out](bool is_parameter, PyObject* entries, PyObject* key, PyObject* value) {
+    if (!THPVariable_Check(value)) return;
+    py::object holder = py::reinterpret_borrow<py::object>(value);
+    if (is_parameter) {
+      if (is_parameter_object(value)) return;
+      PyObject* ref = PyObject_CallOneArg(weakref_type, value);
+      if (ref == nullptr) throw py::error_already_set();
+      holder = py::reinterpret_steal<py::object>(ref);
+    }
+    out.push_back(py::reinterpret_borrow<py::object>(entries));
+    out.push_back(py::reinterpret_borrow<py::object>(key));
+    out.push_back(std::move(holder));
+    out.push_back(py::bool_(is_parameter));
+  };
+  if (PyList_Check(modules.ptr())) {
+    for (const py::handle m : modules) walk_module_state(m.ptr(), seen, 0, "checkpoint region", visit);
+  } else {
+    walk_module_state(modules.ptr(), seen, 0, "checkpoint region", visit);
+  }
   py::tuple refs(out.size());
   for (size_t i = 0; i < out.size(); ++i) refs[i] = std::move(out[i]);
   return refs;
@@ -383,31 +421,62 @@ bool subclass_or_other(PyObject* obj) {
   return THPVariable_Unpack(obj).key_set().has(c10::DispatchKey::Python);
 }
 
-// Puts each (dict, key, value) of `refs` back where the dict holds another plain tensor
-// under the key now (keys no longer in their dict, and slots holding a tensor subclass or
-// a non-tensor on either side, are left alone). Returns the triples it replaced, with the
-// values it found (put them back to undo); empty when nothing differed.
-py::tuple put_module_state(const py::tuple& refs) {
-  std::vector<py::object> undo;
+// Whether `obj`'s storage still holds its elements (a framework that frees gathered
+// parameters after use, as ZeRO-3 does, resizes the storage to 0).
+bool storage_intact(PyObject* obj) {
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (t.numel() == 0 || !t.has_storage()) return true;
+  return t.storage().nbytes() >=
+         at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.dtype().itemsize(),
+                                          t.storage_offset());
+}
+
+// Puts each (dict, key, holder, is_parameter) of `refs` back where the dict holds another
+// tensor under the key now, when the swap is one made for the forward only: a parameter
+// slot that holds a module's own nn.Parameter again, where the forward's value was a plain
+// tensor (torch.func.functional_call, stateless reparametrization), or a buffer slot
+// reassigned since. Left alone: keys no longer in their dict; a tensor subclass or a
+// non-tensor on either side (FSDP2 swaps sharded DTensor and unsharded parameters itself);
+// a forward value dropped since (a weak holder) or whose storage was freed, and a
+// parameter slot holding something else than an nn.Parameter now (a framework that
+// gathers parameters into new tensors for each use: its backward's are the ones to use).
+// With `undo`, every entry is set as given.
+// Returns the entries it replaced, with the values it found (pass them back with `undo` to
+// restore); empty when nothing was put back.
+py::tuple put_module_state(const py::tuple& refs, bool undo) {
+  std::vector<py::object> replaced;
   const Py_ssize_t n = PyTuple_GET_SIZE(refs.ptr());
-  HP_CHECK_VALUE(n % 3 == 0, "put_module_state takes (dict, key, value) triples");
-  for (Py_ssize_t i = 0; i < n; i += 3) {
+  HP_CHECK_VALUE(n % 4 == 0, "put_module_state takes (dict, key, value, is_parameter) entries");
+  for (Py_ssize_t i = 0; i < n; i += 4) {
     PyObject* dict = PyTuple_GET_ITEM(refs.ptr(), i);
     PyObject* key = PyTuple_GET_ITEM(refs.ptr(), i + 1);
     PyObject* value = PyTuple_GET_ITEM(refs.ptr(), i + 2);
+    PyObject* is_param = PyTuple_GET_ITEM(refs.ptr(), i + 3);
+    if (PyWeakref_Check(value)) {
+      value = PyWeakref_GetObject(value);  // borrowed; None once the tensor is gone
+      if (value == Py_None) continue;      // dropped after the forward: nothing to put back
+    }
     PyObject* now = PyDict_GetItemWithError(dict, key);  // borrowed
     if (now == nullptr) {
       if (PyErr_Occurred()) throw py::error_already_set();
       continue;
     }
-    if (now == value || subclass_or_other(now) || subclass_or_other(value)) continue;
-    undo.push_back(py::reinterpret_borrow<py::object>(dict));
-    undo.push_back(py::reinterpret_borrow<py::object>(key));
-    undo.push_back(py::reinterpret_borrow<py::object>(now));
+    if (now == value) continue;
+    if (!undo) {
+      if (subclass_or_other(now) || subclass_or_other(value) || !storage_intact(value)) continue;
+      if (is_param == Py_True && (!is_parameter_object(now) || is_parameter_object(value))) {
+        continue;
+      }
+    }
+    replaced.push_back(py::reinterpret_borrow<py::object>(dict));
+    replaced.push_back(py::reinterpret_borrow<py::object>(key));
+    replaced.push_back(py::reinterpret_borrow<py::object>(now));
+    replaced.push_back(py::reinterpret_borrow<py::object>(is_param));
     if (PyDict_SetItem(dict, key, value) != 0) throw py::error_already_set();
   }
-  py::tuple out(undo.size());
-  for (size_t i = 0; i < undo.size(); ++i) out[i] = std::move(undo[i]);
+  auto& undo_list = replaced;
+  py::tuple out(undo_list.size());
+  for (size_t i = 0; i < undo_list.size(); ++i) out[i] = std::move(undo_list[i]);
   return out;
 }
 
@@ -486,9 +555,10 @@ void bind_swap(py::module_& m) {
   m.def("module_state_refs", &module_state_refs, py::arg("module"),
         "The (dict, key, value) triples of every _parameters / _buffers entry of the module's "
         "tree, flat in one tuple (shared submodules once).");
-  m.def("put_module_state", &put_module_state, py::arg("refs"),
-        "Puts module_state_refs' values back where their dicts hold other objects now; "
-        "returns the replaced triples (pass them back to undo), empty when none differed.");
+  m.def("put_module_state", &put_module_state, py::arg("refs"), py::arg("undo") = false,
+        "Puts module_state_refs' values back where the forward's were swapped in for the "
+        "forward only (see BindSwap.cpp); returns the replaced entries (pass them back with "
+        "undo=True to restore), empty when nothing was put back.");
   py::enum_<PackMode>(m, "PackMode")
       .value("SWAP_ALL", PackMode::kSwapAll)
       .value("REGISTERED_ONLY", PackMode::kRegisteredOnly);

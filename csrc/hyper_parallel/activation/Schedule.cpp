@@ -71,18 +71,18 @@ void Schedule::on_begin(const std::shared_ptr<SwapGroup>& group) {
   if (has_predecessor(layer) && group->prev.expired()) group->orphan = true;
   if (scheduled(layer)) {
     auto& state = last_begun_[thread];
-    auto before = state.last.lock();
-    // Against the chain: an orphan whose predecessor layer has not run, while another
-    // chained invocation of this thread is alive (it ran before its predecessor; the
-    // first layer run of a pass has none alive before it), or begun while such an orphan
-    // of a layer after it in the chain is alive (that layer ran before it: a reversed
-    // link, or layers given out of order).
+    // Against the chain: this layer begins while an orphan invocation of a layer after it
+    // in the chain, whose predecessor layer had not run, is alive (that layer ran before
+    // this one: a reversed link, or layers given out of order). An orphan alone says
+    // nothing: the first layer run with grad (a frozen prefix run without grad, a pipeline
+    // stage's suffix, every micro-batch of those) has no predecessor invocation either; it
+    // is when a layer before it in the chain runs next that the order is shown wrong.
     bool misordered = false;
     if (group->orphan) {
       auto it = state.latest.find(predecessor(layer));
       misordered = it == state.latest.end() || it->second.expired();
     }
-    bool against = before && misordered;
+    bool against = false;
     auto& orphans = state.orphans;
     if (!orphans.empty()) {
       orphans.erase(std::remove_if(orphans.begin(), orphans.end(),
@@ -96,7 +96,6 @@ void Schedule::on_begin(const std::shared_ptr<SwapGroup>& group) {
     group->order_reversed = against;
     if (misordered && orphans.size() < 64) orphans.push_back(group);
     state.latest[layer] = group;
-    state.last = group;
   }
   if (unlinked_.size() > sweep_at_) sweep_unlinked();
   auto& mine = unlinked_[Key{layer, thread}];

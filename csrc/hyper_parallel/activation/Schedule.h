@@ -10,10 +10,10 @@
 //    not been linked yet, on the same thread (L0a L0b L1a L1b links L1a-L0a, L1b-L0b), so micro-batches and repeated calls each get
 //    their own chain, and two threads running forwards of different micro-batches do not
 //    cross-link.
-//  * A link that would close a cycle is refused; an invocation that begins right after an
-//    invocation of its successor layer that found no predecessor, or that finds no
-//    predecessor itself while another chained invocation of its thread is alive (the
-//    forward runs against the chain) is flagged `order_reversed`, for a warning.
+//  * A link that would close a cycle is refused; an invocation that begins while an
+//    invocation of a layer after it in the chain, which found no predecessor invocation
+//    and whose predecessor layer had not run, is alive on its thread (the forward runs
+//    against the chain) is flagged `order_reversed`, for a warning.
 //  * prefetch_targets(g, depth): the invocations whose reload starts when the backward
 //    of g begins: g itself (if a hole left it offloaded) and up to `depth` predecessors.
 //
@@ -85,14 +85,13 @@ class Schedule {
   static constexpr size_t kMinSweepAt = 256;
   size_t sweep_at_ = kMinSweepAt;
   void sweep_unlinked();
-  // Per thread: the invocation of a chained layer that began last, the latest invocation
-  // of each chained layer, and the orphan invocations (no predecessor invocation to link
-  // to) whose predecessor layer had not run: a layer that begins while such an orphan of a
-  // layer after it in the chain is alive runs against the chain (none in a forward that
-  // follows the chain, so nothing to scan then). An orphan whose predecessor layer did run
-  // is a layer called again in the same forward (weight sharing), not a misordering.
+  // Per thread: the latest invocation of each chained layer, and the orphan invocations
+  // (no predecessor invocation to link to) whose predecessor layer had not run: a layer
+  // that begins while such an orphan of a layer after it in the chain is alive runs
+  // against the chain (none in a forward that follows the chain, so nothing to scan
+  // then). An orphan whose predecessor layer did run is a layer called again in the same
+  // forward (weight sharing), not a misordering.
   struct ThreadState {
-    std::weak_ptr<SwapGroup> last;
     std::unordered_map<int64_t, std::weak_ptr<SwapGroup>> latest;
     std::vector<std::weak_ptr<SwapGroup>> orphans;
   };

@@ -85,8 +85,7 @@ class SwapGroup {
   // on this thread (the first layer run, or a forward order against the chain).
   bool orphan = false;
   // The forward runs against the declared chain (Schedule::on_begin): this invocation
-  // began right after an orphan invocation of its successor layer, or is an orphan itself
-  // while another chained invocation of its thread is alive.
+  // began while an orphan invocation of a layer after it in the chain was alive.
   bool order_reversed = false;
   std::weak_ptr<SwapGroup> prev;  // invocation of the predecessor layer in the same pass
   std::weak_ptr<SwapGroup> next;

@@ -56,12 +56,16 @@ def _with_bound_kwargs(function, args: tuple, kwargs: dict):
 
 def _state_module(function):
     """The module whose parameters and buffers a region's call reads: a wrapper's layer,
-    the module called, or the module of a bound method (HF's ``layer.__call__``); None for
-    other callables."""
+    the module called, the module of a bound method (HF's ``layer.__call__``), or the
+    modules of a ``checkpoint_sequential`` segment (a list); None for other callables (a
+    lambda's modules are not known)."""
     if isinstance(function, LayerCall):
         return function.state_module
     if isinstance(function, nn.Module):
         return function
+    modules = getattr(function, "_hp_state_modules", None)  # checkpoint_sequential's segment
+    if modules:
+        return modules
     owner = getattr(function, "__self__", None)
     return owner if isinstance(owner, nn.Module) else None
 
@@ -95,7 +99,7 @@ class _ForwardModuleState:
         try:
             return self.fn(*args)
         finally:
-            _C.put_module_state(undo)
+            _C.put_module_state(undo, True)
 
 
 def _region_call(function, args: tuple, kwargs: dict):
@@ -541,8 +545,10 @@ def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwar
             return x
         # A segment is a new function on every call: no chain can name it, so its swapped
         # tensors (swap_inputs, MUST_SWAP) reload when its backward starts, and the region
-        # does not ask for a chain it cannot get.
+        # does not ask for a chain it cannot get. Its modules' parameters and buffers are
+        # put back for its recompute as a module's are (_ForwardModuleState).
         forward._hp_unschedulable = True
+        forward._hp_state_modules = [fn for fn in part if isinstance(fn, nn.Module)]
         return forward
 
     end = 0

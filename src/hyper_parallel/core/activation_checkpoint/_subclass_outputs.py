@@ -68,7 +68,8 @@ def _signature(args, kwargs) -> tuple:
 class SubclassOutputs:
     """The subclass outputs one region invocation cached (module docstring)."""
 
-    __slots__ = ("allow_mutation", "entries", "forward_calls", "replay_calls", "by_storage")
+    __slots__ = ("allow_mutation", "entries", "forward_calls", "replay_calls", "by_storage",
+                 "kept_any")
 
     def __init__(self, allow_mutation: bool) -> None:
         self.allow_mutation = allow_mutation
@@ -78,6 +79,10 @@ class SubclassOutputs:
         self.forward_calls: dict = {}
         self.replay_calls: dict = {}
         self.by_storage: dict = {}  # storage data pointer -> keys of the entries under it
+        # Whether the forward kept anything: then every recompute call of a plain op must
+        # be counted (replay), those the C++ cache hands back included, so the indices of
+        # the calls kept here line up.
+        self.kept_any = False
 
     def count_forward(self, key: int) -> int:
         """The call index of this forward call of op ``key`` (call once per record)."""
@@ -101,6 +106,7 @@ class SubclassOutputs:
         refs = [weakref.ref(v) for v in leaves if isinstance(v, torch.Tensor)]
         versions = [v._version for v in leaves if isinstance(v, torch.Tensor)]
         self.entries[(key, index)] = (spec, kept, refs, versions, _signature(args, kwargs))
+        self.kept_any = True
         for v in kept:
             if isinstance(v, torch.Tensor):
                 for ptr in _storages(v):

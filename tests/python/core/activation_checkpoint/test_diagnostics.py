@@ -194,6 +194,33 @@ def test_a_layer_called_twice_per_forward_does_not_warn(cpu_swap, dev):
     assert_bitwise(grads(model), grads(reference))
 
 
+@pytest.mark.parametrize("case", ["frozen_prefix", "suffix"])
+def test_micro_batches_starting_mid_chain_do_not_warn(case, cpu_swap, dev):
+    """Micro-batches whose first layer with grad is in the middle of the chain (a frozen
+    prefix run without grad; a pipeline stage's suffix), two forwards then one backward:
+    each first layer finds no predecessor invocation, which is not a forward against the
+    chain (a tester: the second micro-batch warned)."""
+    model = Stack(layers=4).to(dev)
+    apply_activation_memory(model, "swap")
+
+    def forward(x):
+        h = x
+        for i, layer in enumerate(model.layers):
+            if case == "suffix" and i < 2:
+                continue
+            if case == "frozen_prefix" and i < 2:
+                with torch.no_grad():
+                    h = layer(h)
+            else:
+                h = layer(h)
+        return h.sum()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sum(forward(torch.randn(2, 4, 32, device=dev)) for _ in range(2)).backward()
+    assert not [w for w in caught if "forward order" in str(w.message)]
+
+
 def test_forward_in_chain_order_does_not_warn(cpu_swap, dev):
     model = Stack(layers=3).to(dev)
     apply_activation_memory(model, "swap")

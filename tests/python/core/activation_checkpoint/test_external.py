@@ -474,3 +474,84 @@ def test_a_buffer_reassigned_in_forward_is_read_and_reassigned_once(host_swap):
         got = run(lambda m, x: checkpoint(m, x, **options))
         assert got[0].item() == 2
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+class _Gathered(nn.Module):
+    """A framework that gathers a layer's weight into a new tensor before each use (forward
+    and the backward's recompute) and frees or drops it after, ZeRO-3 style, with plain
+    tensors in the parameter slots."""
+
+    def __init__(self, free):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, bias=False)
+        self.shard = nn.Parameter(self.lin.weight.detach().clone())
+        self.lin._parameters["weight"] = None
+        self.free = free
+        self.gathered = []
+
+    def unshard(self):
+        with torch.enable_grad():
+            full = self.shard * 1.0  # the "all-gather": a new tensor each time
+        self.lin._parameters["weight"] = full
+        self.gathered.append(weakref.ref(full))
+
+    def reshard(self):
+        if self.free:
+            self.lin._parameters["weight"].untyped_storage().resize_(0)
+        self.lin._parameters["weight"] = None
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("free", [True, False], ids=["storage_freed", "dropped"])
+@pytest.mark.parametrize("policy", [None, [aten.mm]], ids=["full", "selective"])
+def test_gathered_parameters_are_neither_put_back_nor_kept_alive(free, policy):
+    """Recompute puts back only what a forward-only swap (functional_call) put in a
+    parameter slot: a framework's gathered copies are its business. Put back, a freed one
+    crashed the recompute ('setStorage: ... out of bounds'); held, every layer's gathered
+    weight stayed alive until backward (a tester)."""
+
+    def run(wrap):
+        torch.manual_seed(0)
+        layers = [_Gathered(free) for _ in range(3)]
+        h = torch.randn(4, 8)
+        for layer in layers:
+            layer.unshard()
+            h = wrap(layer, h)
+            h.grad_fn.register_prehook(lambda g, layer=layer: layer.unshard())
+            layer.reshard()
+        alive = sum(r() is not None for layer in layers for r in layer.gathered)
+        h.square().sum().backward()
+        return alive, [layer.shard.grad for layer in layers]
+
+    torch_alive, want = run(lambda layer, h: torch.utils.checkpoint.checkpoint(
+        layer, h, use_reentrant=False))
+    alive, got = run(lambda layer, h: checkpoint(layer, h, policy_fn=policy))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert alive == torch_alive == 0  # nothing kept the forward's copies until backward
+
+
+def test_checkpoint_sequential_recomputes_with_the_functional_call_parameters():
+    from hyper_parallel.core.activation_checkpoint import checkpoint_sequential
+
+    model = _stack()
+    x = torch.randn(4, 8)
+    params = {k: (v.detach() * 2) for k, v in model.named_parameters()}
+
+    class Seq(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, t, run=None):
+            return run(self.inner, t) if run is not None else self.inner(t)
+
+    def grads(run):
+        p = {f"inner.{k}": v.detach().clone().requires_grad_() for k, v in params.items()}
+        torch.func.functional_call(Seq(model), p, (x,), {"run": run}).square().sum().backward()
+        return [p[k].grad for k in p]
+
+    want = grads(None)
+    got = grads(lambda seq, t: checkpoint_sequential(seq, 3, t))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
