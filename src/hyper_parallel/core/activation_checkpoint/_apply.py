@@ -29,7 +29,7 @@ from ._policy import CheckpointPolicy
 from ._errors import check_flag, check_module
 from ._policy_signature import check_swap_policy, is_per_tensor_policy
 from ._selective import compile_policy
-from ._swap_manager import SwapManager
+from ._swap_manager import SwapManager, layer_node
 from ._wrappers import swap_wrapper
 from ._warnings import warn as warn_user
 
@@ -566,6 +566,10 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
             manager = SwapManager()
             for a, b in zip(chain, chain[1:]):
                 manager.set_forward_prefetch_layer(a, b)
+            for slot, layer in zip(slots, chain):  # messages name the layer by its path
+                node = layer_node(layer)
+                if node is not None:
+                    node.name = slot.name
         if any(s != "none" for s in strategies) and _is_transformers_model(model):
             cache_hooks = _install_guards(model, slots, strategies)
     except BaseException:

@@ -161,7 +161,10 @@ def test_layers_given_out_of_forward_order_warn(order, cpu_swap, dev):
     against 0, 1, 2, 3 left the first layer on the device and stalled backward twice)."""
     model = Stack(layers=4).to(dev)
     apply_activation_memory(model, "swap", layers=[f"layers.{i}" for i in order])
-    with pytest.warns(UserWarning, match="the forward order is not the chain declared"):
+    # (named by its path: apply names the chain's layers, where the warning said
+    # 'SwapWrapper#2', a tester)
+    with pytest.warns(UserWarning, match=r"layer 'layers\.\d' ran forward before .*the "
+                                         r"forward order is not the chain declared"):
         step(model, dev)
 
 
