@@ -652,16 +652,25 @@ def test_recompute_running_other_ops_raises_clearly():
         out.sum().backward()
 
 
+@pytest.mark.parametrize("tensors", ["plain", "subclass"])
 @pytest.mark.parametrize("native", [True, False], ids=["cpp", "python-modes"])
 @pytest.mark.parametrize("policy", ["declarative", "callable"])
-def test_recompute_running_an_op_on_other_shapes_raises_clearly(monkeypatch, policy, native):
+def test_recompute_running_an_op_on_other_shapes_raises_clearly(monkeypatch, policy, native,
+                                                                 tensors):
     # The recompute's first mm is another call than the forward's first mm (state changed
     # between forward and backward): handing it the cached (4, D) output where (4, 2D) is
     # due would fail deep in autograd or, with equal shapes downstream, give wrong values.
+    # With a tensor subclass (TwoTensor, as DTensor) the Python modes keep its outputs in
+    # _subclass_outputs.py, which checks the same.
     from hyper_parallel.core.activation_checkpoint import _selective
     monkeypatch.setattr(_selective, "NATIVE", native and _selective.NATIVE)
-    w = torch.randn(D, D, requires_grad=True)
-    w_wide = torch.randn(D, 2 * D, requires_grad=True)
+    if tensors == "subclass":
+        two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+        make = lambda *shape: two_tensor.TwoTensor(*(torch.randn(*shape),) * 2)  # noqa: E731
+    else:
+        make = torch.randn
+    w = make(D, D).requires_grad_()
+    w_wide = make(D, 2 * D).requires_grad_()
     state = {"wide_first": False}
 
     def fn(x):
@@ -674,7 +683,7 @@ def test_recompute_running_an_op_on_other_shapes_raises_clearly(monkeypatch, pol
                                                       if op is torch.ops.aten.mm.default
                                                       else CheckpointPolicy.PREFER_RECOMPUTE)}
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-        out = checkpoint(fn, torch.randn(4, D), policy_fn=policies[policy])
+        out = checkpoint(fn, make(4, D), policy_fn=policies[policy])
     state["wide_first"] = True
     with pytest.raises(RuntimeError, match=r"hyper_parallel: the recompute of a selective "
                                            r"checkpoint region ran aten\.mm\.default \(call #0\) "

@@ -109,25 +109,6 @@ def test_written_after_the_forward_raises_or_is_handed_back_when_allowed():
     out.sum().backward()  # the written value is handed back (torch's meaning)
 
 
-def test_a_recompute_running_other_shapes_raises():
-    state = {"wide": False}
-    wide = _two(8, 16, seed=2)
-
-    def block(t, w):
-        if state["wide"]:
-            t @ wide  # noqa: B018 - another mm first
-        return torch.sin(t @ w)
-
-    x, w = _two(4, 8, seed=0).requires_grad_(), _two(8, 8, seed=1).requires_grad_()
-    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-        out = checkpoint(block, x, w, policy_fn=_save_mm)
-    state["wide"] = True
-    with pytest.raises(RuntimeError, match=r"hyper_parallel: the recompute of a selective "
-                                           r"checkpoint region ran aten\.mm\.default \(call "
-                                           r"#0\) on inputs whose dtypes or shapes differ"):
-        out.sum().backward()
-
-
 def test_plain_and_subclass_calls_of_one_op_keep_their_call_indices():
     """mm on plain tensors (the C++ cache) then twice on TwoTensor (this table): the
     recompute's calls the C++ cache hands back were not counted here, so the third mm got
