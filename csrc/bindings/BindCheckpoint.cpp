@@ -127,6 +127,9 @@ void bind_checkpoint(py::module_& m) {
         "normalised). Keys are process-wide and stable.");
   m.def("backward_keeps_graph", &backward_keeps_graph,
         "Whether the backward running on this thread keeps its graph (retain_graph=True).");
+  m.def("input_signature", &py_input_signature, py::arg("args"), py::arg("kwargs") = py::none(),
+        "SacCache's hash of the dtypes and shapes of the tensors among an op call's args "
+        "(a tuple) and kwargs (a dict); 0 for args=None.");
   m.def("op_name", [](int64_t key) { return OpNames::name(key); }, py::arg("key"),
         "The op name of a key returned by intern_op.");
 
@@ -265,11 +268,13 @@ csrc/hyper_parallel/activation/SacCache.h.)doc")
            [](SacCache& c, int64_t op_key, const py::handle& args,
               const py::handle& kwargs) -> py::object {
              const bool retain = backward_keeps_graph();
-             const uint64_t inputs = py_input_signature(args, kwargs);
+             // Taken before the GIL is released, for a cached call only.
+             const bool check = c.next_is_cached(op_key);
+             const uint64_t inputs = check ? py_input_signature(args, kwargs) : 0;
              SacCache::Replay r;
              {
                py::gil_scoped_release no_gil;  // may wait for a reload
-               r = c.replay(op_key, retain, inputs);
+               r = c.replay(op_key, retain, [inputs] { return inputs; });
              }
              if (r.recompute) return *recompute_marker;
              return from_replay(std::move(r));

@@ -474,9 +474,8 @@ py::tuple put_module_state(const py::tuple& refs, bool undo) {
     replaced.push_back(py::reinterpret_borrow<py::object>(is_param));
     if (PyDict_SetItem(dict, key, value) != 0) throw py::error_already_set();
   }
-  auto& undo_list = replaced;
-  py::tuple out(undo_list.size());
-  for (size_t i = 0; i < undo_list.size(); ++i) out[i] = std::move(undo_list[i]);
+  py::tuple out(replaced.size());
+  for (size_t i = 0; i < replaced.size(); ++i) out[i] = std::move(replaced[i]);
   return out;
 }
 

@@ -361,9 +361,10 @@ void SacRegion::recompute(const c10::OperatorHandle& op, const OpFacts& facts,
     run_next(op, ks, stack, level);
     return;
   }
-  const uint64_t inputs = SacCache::input_signature(torch::jit::last(*stack, nargs));
+  const auto args = torch::jit::last(*stack, nargs);
   SacCache::Replay r =
-      cache_->replay(facts.key, torch::autograd::get_current_graph_task_keep_graph(), inputs);
+      cache_->replay(facts.key, torch::autograd::get_current_graph_task_keep_graph(),
+                     [args] { return SacCache::input_signature(args); });
   if (r.recompute) {
     run_next(op, ks, stack, level);
     return;

@@ -185,7 +185,8 @@ void SacCache::begin_recompute() {
   replay_calls_.assign(entries_.size(), 0);
 }
 
-SacCache::Replay SacCache::replay(int64_t op_key, bool retain, uint64_t inputs) {
+SacCache::Replay SacCache::replay(int64_t op_key, bool retain,
+                                 c10::function_ref<uint64_t()> signature) {
   std::lock_guard<std::mutex> lock(mu_);
   HP_CHECK_VALUE(op_key >= 0, "invalid op key ", op_key);
   if (static_cast<size_t>(op_key) >= replay_calls_.size()) replay_calls_.resize(op_key + 1, 0);
@@ -208,7 +209,8 @@ SacCache::Replay SacCache::replay(int64_t op_key, bool retain, uint64_t inputs) 
            index, ") cached by selective checkpoint was already used and released by an earlier "
            "backward. To run backward twice through a selective checkpoint region, pass "
            "retain_graph=True to the first backward.");
-  HP_CHECK(inputs == 0 || entry.inputs == 0 || inputs == entry.inputs, "the recompute of a "
+  const uint64_t inputs = entry.inputs != 0 && signature ? signature() : 0;
+  HP_CHECK(inputs == 0 || inputs == entry.inputs, "the recompute of a "
            "selective checkpoint region ran ", OpNames::name(op_key), " (call #", index, ") on "
            "inputs whose dtypes or shapes differ from those of the forward's call #", index,
            ", whose outputs the policy cached: the recompute ran another sequence of ops than "

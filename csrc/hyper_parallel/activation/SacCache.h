@@ -44,6 +44,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <c10/util/FunctionRef.h>
 
 #include <atomic>
 #include <cstdint>
@@ -161,10 +162,12 @@ class SacCache {
   // it cached some call of (the recomputed op sequence differs), when the entry was released by an earlier backward,
   // when its inputs' dtypes or shapes differ from the forward call's (`inputs`), or when a
   // cached tensor was modified in place after it was cached.
-  // `inputs`: the recompute call's input_signature() (0: not checked). A cached entry whose
-  // forward call had other input dtypes or shapes raises: the recompute runs another
-  // sequence of ops than the forward did, and the cached outputs belong to another call.
-  Replay replay(int64_t op_key, bool retain, uint64_t inputs = 0);
+  // `inputs`: gives the recompute call's input_signature() (empty, or 0: not checked);
+  // called only when the entry is cached, so a call that runs again pays nothing. A cached
+  // entry whose forward call had other input dtypes or shapes raises: the recompute runs
+  // another sequence of ops than the forward did, and the cached outputs belong to another
+  // call.
+  Replay replay(int64_t op_key, bool retain, c10::function_ref<uint64_t()> inputs = {});
   // Whether the next replay(op_key) of this pass would hand back cached outputs (or raise
   // for a released entry) rather than say "run it".
   bool next_is_cached(int64_t op_key) const;

@@ -254,15 +254,18 @@ TEST_F(SacCacheTest, ARecomputeCallWithOtherInputShapesOrDtypesIsAClearError) {
   cache.record(mm, P::MUST_SAVE, one(at::ones({4, 8})), OutputKind::kSingle, nullptr,
                std::nullopt, sig);
   cache.begin_recompute();
-  EXPECT_FALSE(cache.replay(mm, /*retain=*/true, sig).recompute);
+  EXPECT_FALSE(cache.replay(mm, /*retain=*/true, [&] { return sig; }).recompute);
   const std::string msg = message_of(
-      [&] { cache.replay(mm, false, SacCache::input_signature(std::vector<c10::IValue>{x, w2})); });
+      [&] {
+        cache.replay(mm, false,
+                     [&] { return SacCache::input_signature(std::vector<c10::IValue>{x, w2}); });
+      });
   EXPECT_TRUE(contains(msg, "hyper_parallel: the recompute of a selective checkpoint region "
                             "ran aten.mm.default (call #1) on inputs whose dtypes or shapes "
                             "differ")) << msg;
   // Unknown signatures (0) are not checked.
   cache.begin_recompute();
-  EXPECT_FALSE(cache.replay(mm, true, 0).recompute);
+  EXPECT_FALSE(cache.replay(mm, true, [] { return uint64_t{0}; }).recompute);
 }
 
 TEST_F(SacCacheTest, OpsForwardNeverCachedRunFreelyInRecompute) {

@@ -60,11 +60,6 @@ def _storages(t) -> set:
         return set()
 
 
-def _signature(args, kwargs) -> tuple:
-    flat, _ = tree_flatten((args, kwargs))
-    return tuple((t.dtype, tuple(t.shape)) for t in flat if isinstance(t, torch.Tensor))
-
-
 class SubclassOutputs:
     """The subclass outputs one region invocation cached (module docstring)."""
 
@@ -105,7 +100,8 @@ class SubclassOutputs:
         # which would close a cycle through the graph; one that died cannot be written.
         refs = [weakref.ref(v) for v in leaves if isinstance(v, torch.Tensor)]
         versions = [v._version for v in leaves if isinstance(v, torch.Tensor)]
-        self.entries[(key, index)] = (spec, kept, refs, versions, _signature(args, kwargs))
+        self.entries[(key, index)] = (spec, kept, refs, versions,
+                                      _C.input_signature(args, kwargs))
         self.kept_any = True
         for v in kept:
             if isinstance(v, torch.Tensor):
@@ -161,7 +157,7 @@ class SubclassOutputs:
             return None
         spec, kept, refs, versions, signature = entry
         name = _C.op_name(key)
-        if _signature(args, kwargs) != signature:
+        if _C.input_signature(args, kwargs) != signature:
             raise RuntimeError(
                 f"hyper_parallel: the recompute of a selective checkpoint region ran {name} "
                 f"(call #{index}) on inputs whose dtypes or shapes differ from those of the "
