@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 
 namespace hyper_parallel::planner {
@@ -47,6 +48,51 @@ int64_t round_down(int64_t bytes, int64_t quantum) {
   return quantum <= 1 ? bytes : bytes / quantum * quantum;
 }
 
+// Sorts labels by (phase, code when `by_code`, kept, time, backlog, host, then their
+// order of creation), the order prune() sweeps. Without codes the first two fit one
+// 64-bit key (phase in the top bits, kept bytes below 2^61: always, in practice), so the sort moves
+// 24-byte keys instead of labels and gathers once (a third of a 100-layer solve's time
+// went to sorting the labels themselves).
+void sort_labels(std::vector<Label>& labels, bool by_code) {
+  constexpr int64_t kKeyKept = int64_t{1} << 61;
+  const bool narrow = std::all_of(labels.begin(), labels.end(),
+                                  [](const Label& l) { return l.kept < kKeyKept; });
+  if (by_code || !narrow) {
+    std::stable_sort(labels.begin(), labels.end(), [](const Label& a, const Label& b) {
+      if (a.phase != b.phase) return a.phase < b.phase;
+      if (a.code != b.code) return a.code < b.code;
+      if (a.kept != b.kept) return a.kept < b.kept;
+      if (a.time != b.time) return a.time < b.time;
+      if (a.backlog != b.backlog) return a.backlog < b.backlog;
+      return a.host < b.host;
+    });
+    return;
+  }
+  struct Key {
+    uint64_t order;  // phase << 61 | kept
+    double time;
+    uint32_t index;
+  };
+  std::vector<Key> keys(labels.size());
+  for (size_t i = 0; i < labels.size(); ++i) {
+    const Label& l = labels[i];
+    keys[i] = Key{static_cast<uint64_t>(l.phase) << 61 | static_cast<uint64_t>(l.kept), l.time,
+                  static_cast<uint32_t>(i)};
+  }
+  std::sort(keys.begin(), keys.end(), [&labels](const Key& a, const Key& b) {
+    if (a.order != b.order) return a.order < b.order;
+    if (a.time != b.time) return a.time < b.time;
+    const Label& x = labels[a.index];
+    const Label& y = labels[b.index];
+    if (x.backlog != y.backlog) return x.backlog < y.backlog;
+    if (x.host != y.host) return x.host < y.host;
+    return a.index < b.index;
+  });
+  std::vector<Label> sorted(labels.size());
+  for (size_t i = 0; i < keys.size(); ++i) sorted[i] = labels[keys[i].index];
+  labels.swap(sorted);
+}
+
 // Keeps the labels no other label of their (phase, code) dominates (Planner.h), in place.
 // `linear`: a backlog at least this large passes through every later max(0, .) of the
 // model, so two such labels compare by time + backlog alone (exact).
@@ -63,16 +109,9 @@ int64_t round_down(int64_t bytes, int64_t quantum) {
 void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
            const std::vector<int64_t>* code_bytes, const std::vector<int64_t>* next_shared) {
   const bool by_code = code_bytes == nullptr;
-  std::sort(labels.begin(), labels.end(), [by_code](const Label& a, const Label& b) {
-    if (a.phase != b.phase) return a.phase < b.phase;
-    if (by_code && a.code != b.code) return a.code < b.code;
-    if (a.kept != b.kept) return a.kept < b.kept;
-    if (a.time != b.time) return a.time < b.time;
-    if (a.backlog != b.backlog) return a.backlog < b.backlog;
-    return a.host < b.host;
-  });
+  sort_labels(labels, by_code);
   struct Front {
-    int64_t host, off, held;  // held: kept + pending (the next forward sample point's)
+    int64_t kept, host, held;  // held: kept + pending (the next forward sample point's)
     double time, backlog;
     int16_t option;
   };
@@ -80,72 +119,147 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
   auto run_charge = [next_shared](int16_t a, int16_t b) -> int64_t {
     return next_shared == nullptr || a == b || b < 0 ? 0 : (*next_shared)[static_cast<size_t>(b)];
   };
-  std::vector<Front> front;
-  // Bounds over the front that spare most scans, the results unchanged (labels come in
+  // One front per offload class of the last layer (one in all when by_code): a label is
+  // judged only against the classes of no more offload bytes (`below`), and may remove
+  // entries only of the classes of no fewer (`above`). A label that survives is usually
+  // faster than every entry of those classes, which each class's bounds see without a
+  // scan; one shared front scanned every entry of the classes that cannot dominate it
+  // (80 % of a 100-layer solve's time).
+  const size_t classes = by_code ? 1 : code_bytes->size();
+  std::vector<std::vector<Front>> fronts(classes);
+  std::vector<std::vector<size_t>> below(classes), above(classes);
+  for (size_t c = 0; c < classes; ++c) {
+    for (size_t d = 0; d < classes; ++d) {
+      if (by_code || (*code_bytes)[d] <= (*code_bytes)[c]) below[c].push_back(d);
+      if (by_code || (*code_bytes)[d] >= (*code_bytes)[c]) above[c].push_back(d);
+    }
+  }
+  // Bounds over each front that spare most scans, the results unchanged (labels come in
   // kept order, so a new one usually holds more than every front entry and is faster
-  // than all of them): when the front's least time (time + backlog for entries past
+  // than all of them): when a front's least time (time + backlog for entries past
   // `linear`) is above what could dominate the label, no entry does; when the label holds
-  // more than `most_held`, it dominates no entry. Entries leave the front without
-  // updating them, so they are bounds: a scan they allow may find nothing.
-  double least_time = kInf, least_time_backlog = kInf;
-  int64_t most_held = std::numeric_limits<int64_t>::min();
+  // more than `most_held`, it dominates no entry. Entries leave the fronts without
+  // updating them, so they are bounds: a scan they allow may find nothing. Entries enter
+  // a front in kept order, and each holds at most `most_pending` more than it keeps, so
+  // the entries l can dominate (f.held >= l's) lie in the suffix whose kept bytes are at
+  // least l's held bytes less that: only that suffix is searched for them (the whole
+  // front was, 47 million entries in a 100-layer solve, mostly to find none).
+  std::vector<double> least_time(classes), least_time_backlog(classes);
+  std::vector<int64_t> most_held(classes), most_pending(classes);
+  // Simple entries (no backlog, no pending bytes; not with run charges) dominate a later
+  // label by host bytes and time alone: they hold no more (kept order), and their extra
+  // is known. They are kept apart, per class, as a staircase (host ascending, time
+  // descending, each no slower than any of fewer host bytes), so one binary search judges
+  // a label against all of them: the least time among those of no more host bytes. Under
+  // a host budget the host bytes make a second dimension, and scanning every entry made
+  // a 30-layer solve take minutes.
+  struct Step {
+    int64_t host;
+    double time;
+  };
+  const bool use_stairs = next_shared == nullptr;
+  std::vector<std::vector<Step>> stairs(classes);
+  auto reset = [&] {
+    for (size_t c = 0; c < classes; ++c) {
+      fronts[c].clear();
+      stairs[c].clear();
+      least_time[c] = least_time_backlog[c] = kInf;
+      most_held[c] = std::numeric_limits<int64_t>::min();
+      most_pending[c] = 0;
+    }
+  };
   size_t out = 0;
   int same_kept = 0;
   for (size_t i = 0; i < labels.size(); ++i) {
     const Label l = labels[i];
-    const int64_t off = by_code ? 0 : (*code_bytes)[l.code];
+    const size_t cls = by_code ? 0 : static_cast<size_t>(l.code);
     if (i == 0 || l.phase != labels[i - 1].phase ||
         (by_code && l.code != labels[i - 1].code)) {
-      front.clear();
-      least_time = least_time_backlog = kInf;
-      most_held = std::numeric_limits<int64_t>::min();
+      reset();
       same_kept = 0;
     } else if (l.kept != labels[i - 1].kept) {
       same_kept = 0;
     }
     if (per_kept > 0 && same_kept >= per_kept) continue;
-    // The least f.time + extra over the front (extra >= 0 unless both backlogs are past
-    // `linear`, where it is f.backlog - l.backlog).
-    const double reach =
-        l.backlog >= linear ? std::min(least_time, least_time_backlog - l.backlog) : least_time;
-    // Newest entries first: they hold the most (kept order), so a dominator, which must
-    // be about as fast as l, is most often among them.
+    const int64_t l_held = l.kept + l.pending;
     bool dominated = false;
-    for (size_t j = front.size(); reach <= l.time + eps && j-- > 0;) {
-      const Front& f = front[j];
-      const double extra = f.backlog >= linear && l.backlog >= linear
-                               ? f.backlog - l.backlog
-                               : std::max(0.0, f.backlog - l.backlog);
-      if (f.host <= l.host && f.off <= off &&
-          f.held + run_charge(f.option, l.option) <= l.kept + l.pending &&
-          f.time + extra <= l.time + eps) {
+    // A simple entry's extra: -l.backlog where both backlogs are past `linear`, else 0.
+    const double stairs_reach =
+        l.time + eps + (0.0 >= linear && l.backlog >= linear ? l.backlog : 0.0);
+    for (size_t d : below[cls]) {
+      const std::vector<Step>& st = stairs[d];
+      auto it = std::upper_bound(st.begin(), st.end(), l.host,
+                                 [](int64_t h, const Step& x) { return h < x.host; });
+      if (it != st.begin() && std::prev(it)->time <= stairs_reach) {
         dominated = true;
         break;
       }
     }
+    for (size_t d : below[cls]) {
+      if (dominated) break;
+      // The least f.time + extra over front d (extra >= 0 unless both backlogs are past
+      // `linear`, where it is f.backlog - l.backlog).
+      const double reach = l.backlog >= linear
+                               ? std::min(least_time[d], least_time_backlog[d] - l.backlog)
+                               : least_time[d];
+      if (reach > l.time + eps) continue;
+      // Newest entries first: they hold the most (kept order), so a dominator, which must
+      // be about as fast as l, is most often among them.
+      const std::vector<Front>& front = fronts[d];
+      for (size_t j = front.size(); j-- > 0;) {
+        const Front& f = front[j];
+        const double extra = f.backlog >= linear && l.backlog >= linear
+                                 ? f.backlog - l.backlog
+                                 : std::max(0.0, f.backlog - l.backlog);
+        if (f.host <= l.host && f.held + run_charge(f.option, l.option) <= l_held &&
+            f.time + extra <= l.time + eps) {
+          dominated = true;
+          break;
+        }
+      }
+      if (dominated) break;
+    }
     if (dominated) continue;
     // A front entry that l dominates is no longer needed to judge later labels (they
     // have at least l's kept bytes, and dominance is transitive).
-    if (l.kept + l.pending <= most_held) {
-      front.erase(std::remove_if(front.begin(), front.end(),
+    for (size_t d : above[cls]) {
+      if (l_held > most_held[d]) continue;
+      std::vector<Front>& front = fronts[d];
+      auto from = front.end();
+      while (from != front.begin() && std::prev(from)->kept >= l_held - most_pending[d]) --from;
+      front.erase(std::remove_if(from, front.end(),
                                  [&](const Front& f) {
                                    const double extra =
                                        f.backlog >= linear && l.backlog >= linear
                                            ? l.backlog - f.backlog
                                            : std::max(0.0, l.backlog - f.backlog);
-                                   return l.host <= f.host && off <= f.off &&
-                                          l.kept + l.pending + run_charge(l.option, f.option) <=
-                                              f.held &&
+                                   return l.host <= f.host &&
+                                          l_held + run_charge(l.option, f.option) <= f.held &&
                                           l.time + extra <= f.time;
                                  }),
                   front.end());
     }
-    front.push_back(Front{l.host, off, l.kept + l.pending, l.time, l.backlog, l.option});
-    least_time = std::min(least_time, l.time);
-    if (l.backlog >= linear) least_time_backlog = std::min(least_time_backlog, l.time + l.backlog);
-    most_held = std::max(most_held, l.kept + l.pending);
     ++same_kept;
     labels[out++] = l;
+    if (use_stairs && l.backlog == 0.0 && l.pending == 0) {
+      // No entry of no more host bytes is as fast (l would be dominated): those after l's
+      // place that are no faster leave, and l goes in.
+      std::vector<Step>& st = stairs[cls];
+      auto at = std::lower_bound(st.begin(), st.end(), l.host,
+                                 [](const Step& x, int64_t h) { return x.host < h; });
+      auto end = at;
+      while (end != st.end() && end->time >= l.time) ++end;
+      at = st.erase(at, end);
+      st.insert(at, Step{l.host, l.time});
+      continue;
+    }
+    fronts[cls].push_back(Front{l.kept, l.host, l_held, l.time, l.backlog, l.option});
+    most_pending[cls] = std::max(most_pending[cls], l.pending);
+    least_time[cls] = std::min(least_time[cls], l.time);
+    if (l.backlog >= linear) {
+      least_time_backlog[cls] = std::min(least_time_backlog[cls], l.time + l.backlog);
+    }
+    most_held[cls] = std::max(most_held[cls], l_held);
   }
   labels.resize(out);
 }
@@ -416,17 +530,19 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     }
     return a;
   }
-  // Its bound: the relaxation without D2H backlog (exact bytes; without a host budget by
-  // relaxed_bound(), with one on a byte grid rounded down).
-  double low = kInf;
-  if (host_budget < 0 && quantum_ == 1) {
-    low = relaxed_bound(budget, m);
-  } else {
+  // Its bound: the relaxation without D2H backlog, in exact bytes (relaxed_bound(); a
+  // relaxation of the search with bytes rounded up too, whose plans hold no less). With a
+  // host budget, the host-priced (Lagrangian) bound, and with either a host budget or a
+  // byte quantum also the relaxation on a byte grid rounded down when its search stays
+  // within kMaxExactLabels per layer (its fronts grow with the host dimension: unbounded,
+  // it took minutes for 30 layers); the larger bound.
+  double low = host_budget < 0 ? relaxed_bound(budget, m) : host_priced_bound(budget, m, host_budget);
+  if (host_budget >= 0 || quantum_ > 1) {
     const int64_t q = std::max<int64_t>(quantum_, (budget - profile_.base_bytes) / 512);
-    const PlanResult l = search(budget, host_budget, m, false, q, 0.0, -1, 0, true);
+    const PlanResult l = search(budget, host_budget, m, false, q, 0.0, kMaxExactLabels, 0, true);
     a.stats.labels_created += l.stats.labels_created;
     a.stats.labels_kept += l.stats.labels_kept;
-    if (l.feasible) low = l.stats.objective;
+    if (l.feasible && !l.stats.overflowed) low = std::max(low, l.stats.objective);
   }
   const double got = a.stats.objective;
   if (std::isfinite(low)) a.stats.lower_bound = std::min(low, got);
@@ -457,7 +573,8 @@ std::vector<int64_t> Planner::held_after(const std::vector<uint64_t>& allowed,
   return out;
 }
 
-double Planner::relaxed_bound(int64_t budget, const std::vector<uint64_t>& allowed) const {
+double Planner::relaxed_bound(int64_t budget, const std::vector<uint64_t>& allowed,
+                              double host_price) const {
   // Labels (kept, time, class of the last layer), one phase: without backlog the phases of
   // search() price every layer alike. Kept in increasing kept bytes; a label is dropped
   // when an earlier one (no more kept bytes) has no more offload bytes in its last layer
@@ -489,7 +606,7 @@ double Planner::relaxed_bound(int64_t budget, const std::vector<uint64_t>& allow
       const OptionCost c = p.effective(k, o);
       const int64_t off = c.group_bytes();
       const double work = c.forward_seconds + c.backward_seconds +
-                          kTrafficSecondsPerByte * static_cast<double>(off) +
+                          (kTrafficSecondsPerByte + host_price) * static_cast<double>(off) +
                           (exposed ? p.h2d.seconds(off) : 0.0);
       const int32_t cls = depth_ > 0 ? class_of_[k][o] : 0;
       std::vector<R>& out = lists[o];
@@ -553,6 +670,54 @@ double Planner::relaxed_bound(int64_t budget, const std::vector<uint64_t>& allow
   double t = kInf;
   for (const R& l : cur) t = std::min(t, l.time);
   return t + p.tail_seconds + p.outside_seconds;
+}
+
+double Planner::relaxed_lower_bound(int64_t budget, const std::vector<uint64_t>& allowed,
+                                    int64_t host_budget) const {
+  if (depth_ > 1) return std::numeric_limits<double>::quiet_NaN();
+  const std::vector<uint64_t> m = masks(allowed);
+  return host_budget < 0 ? relaxed_bound(budget, m) : host_priced_bound(budget, m, host_budget);
+}
+
+double Planner::host_priced_bound(int64_t budget, const std::vector<uint64_t>& allowed,
+                                  int64_t host_budget) const {
+  // Lagrangian relaxation of the host budget: for any price y >= 0 per host byte, every
+  // plan within both budgets has time >= time + y * (host - host_budget), so
+  // relaxed_bound(budget, y) - y * host_budget bounds the optimum from below (host bytes
+  // priced into the time instead of kept as a dimension). The best y is searched on a
+  // log scale (golden section; the dual is concave in y for an exact inner minimum, and
+  // each y evaluated gives a valid bound whatever the search finds).
+  const double h = static_cast<double>(std::max<int64_t>(host_budget, 1));
+  const double free = relaxed_bound(budget, allowed, 0.0);
+  if (!std::isfinite(free)) return kInf;
+  double best = free;
+  auto dual = [&](double u) {
+    const double y = std::exp(u);
+    const double v = relaxed_bound(budget, allowed, y) - y * h;
+    best = std::max(best, v);
+    return v;
+  };
+  // Prices from 1e-6 to 1e2 step times per host budget.
+  double lo = std::log(1e-6 * free / h), hi = std::log(1e2 * free / h);
+  constexpr double kGolden = 0.6180339887498949;
+  double a = hi - kGolden * (hi - lo), b = lo + kGolden * (hi - lo);
+  double fa = dual(a), fb = dual(b);
+  for (int i = 0; i < kHostPriceSteps; ++i) {
+    if (fa < fb) {
+      lo = a;
+      a = b;
+      fa = fb;
+      b = lo + kGolden * (hi - lo);
+      fb = dual(b);
+    } else {
+      hi = b;
+      b = a;
+      fb = fa;
+      a = hi - kGolden * (hi - lo);
+      fa = dual(a);
+    }
+  }
+  return best;
 }
 
 PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_budget) const {
