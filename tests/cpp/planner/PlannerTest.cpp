@@ -761,6 +761,10 @@ TEST(PlannerTest, SearchStaysSmallForHundredLayers) {
                     static_cast<long long>(r.stats.labels_created));
         EXPECT_TRUE(r.stats.exact);
         EXPECT_LT(r.stats.widest_layer, 30000);
+        // The cut-off (branch and bound on rest_bound()) drops most labels at birth: at
+        // depth 1 measured 45 000-100 000 created (1.3-2.1 million without it); at depth
+        // 0, where every reload is exposed, 0.67-0.76 million (0.99-1.73 million).
+        EXPECT_LT(r.stats.labels_created, depth == 1 ? 300000 : 1200000);
       }
     }
   }
@@ -804,15 +808,15 @@ TEST(PlannerTest, SaturatedHundredLayersIsBoundedByItsRelaxation) {
       }
       EXPECT_GT(fitting, 0);
       if (r.stats.exact) EXPECT_NEAR(r.stats.lower_bound, got, 1e-12 * got);
-      // The saturated case falls back (the exact search gives up early: its fronts grow
-      // past kExactLabelsPerLayer per layer within the first 20 layers), and the fallback's
-      // work stays small: at most 4 phases x (kFallbackBins + 1) x kFallbackPerBin labels
-      // per layer, about 10^5 in all (measured 0.84-1.0 x 10^5 with the exact attempt given up).
+      // The saturated case falls back (the exact searches give up: their fronts grow past
+      // kExactLabelsPerLayer per layer), and the work stays small: the fallback's at most
+      // 4 phases x (kFallbackBins + 1) x kFallbackPerBin labels per layer, about 10^5 in
+      // all, and the two searches with a cut-off given up (measured 1.3-2.1 x 10^5 in all).
       EXPECT_FALSE(r.stats.exact);
       EXPECT_LE(r.stats.widest_layer,
                 std::max<int64_t>(4 * (kFallbackBins + 1) * kFallbackPerBin,
                                   kExactLabelsPerLayer * 20));
-      EXPECT_LT(r.stats.labels_kept, 150000);
+      EXPECT_LT(r.stats.labels_kept, 300000);
       // The bound is tight: within 1 % of the plan here (measured 0.26-0.64 %; the
       // previous fallback, a byte grid rounded up, measured 1.0-1.1 %).
       EXPECT_LT(got / r.stats.lower_bound - 1.0, 0.01);
@@ -845,14 +849,14 @@ TEST(PlannerTest, HostBudgetOnThirtyLayersStaysSmallAndBounded) {
     EXPECT_LT(r.stats.labels_created, 2000000);
     const double got = objective_of(r);
     ASSERT_TRUE(std::isfinite(r.stats.lower_bound));
-    EXPECT_LE(r.stats.lower_bound, got);
+    EXPECT_LE(r.stats.lower_bound, got * (1 + 1e-12));
     for (size_t o = 0; o < p.num_options(); ++o) {
       const Prediction u = evaluate(p, std::vector<int>(p.num_layers(), static_cast<int>(o)));
       if (u.peak_bytes > budget || u.host_peak_bytes > host) continue;
       EXPECT_LE(r.stats.lower_bound,
                 u.step_seconds + kTrafficSecondsPerByte * static_cast<double>(u.offload_bytes));
     }
-    // Measured 0.14-0.77 %.
+    // Measured 0.77 % at ratio 0.5 (fallback); exact at ratio 2 (the cut-off search).
     EXPECT_LT(got / r.stats.lower_bound - 1.0, 0.02);
     std::printf("[planner] 30 layers, host budget 0.3 none, ratio %.1f: plan %.4f s, lower "
                 "bound %.4f s (gap %.2f %%), %lld labels created\n",
