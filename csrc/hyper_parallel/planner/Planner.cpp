@@ -575,8 +575,10 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     PlanResult e = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels,
                           0, false, 0, 0, false, least_held);
     if (!e.stats.overflowed) {
-      e.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
-      return e;
+      // (a's counts hold the searches given up already; exact() adds those.)
+      e.stats.labels_created += a.stats.labels_created - spent_created;
+      e.stats.labels_kept += a.stats.labels_kept - spent_kept;
+      return exact(e);  // its own bound where it is exact (it had been left NaN)
     }
     return a;
   }

@@ -189,12 +189,9 @@ inline constexpr int kHeldRetries = 12;
 // The relaxation's bins of kept bytes (budget / kBoundBins), see relaxed_bound().
 inline constexpr int64_t kBoundBins = 512;
 // Bins of kept bytes of rest_bound(), and the first cut-off of solve()'s branch and bound
-// above the relaxation's optimum (relative; multiplied by kCutoffGrowth after each search
-// that finds no plan within it, until kCutoffLimit, then the search runs without one).
+// above the relaxation's optimum (relative; see the header comment for the second).
 inline constexpr int64_t kRestBins = 2048;
 inline constexpr double kCutoffFirst = 1e-3;
-inline constexpr double kCutoffGrowth = 8.0;
-inline constexpr double kCutoffLimit = 0.6;
 // Golden-section steps of host_priced_bound()'s price search.
 inline constexpr int kHostPriceSteps = 24;
 

@@ -144,6 +144,8 @@ TEST(PlannerTest, MatchesBruteForceOnSixLayersFourOptions) {
         EXPECT_LE(got.prediction.peak_bytes, budget);
         EXPECT_NEAR(objective_of(got), want.time, 1e-12 * want.time);
         EXPECT_EQ(got.prediction.offload_bytes, want.traffic);
+        ASSERT_TRUE(got.stats.exact);
+        EXPECT_NEAR(got.stats.lower_bound, want.time, 1e-12 * want.time);
       });
   EXPECT_GT(feasible, 200);  // most of the 288 cases have a plan
 }
@@ -876,6 +878,43 @@ TEST(PlannerTest, LowerBoundOfAnExactSearchIsItsOptimum) {
   // A byte quantum or a tolerance makes the search inexact: no bound is claimed.
   EXPECT_TRUE(std::isnan(Planner(p, 1 << 20).solve(none / 2).stats.lower_bound));
   EXPECT_TRUE(std::isnan(Planner(p, 1, 0.01).solve(none / 2).stats.lower_bound));
+}
+
+TEST(PlannerTest, AnExactPlanFoundAfterTheCutOffsFailedKeepsItsBound) {
+  // A tight budget where the first cut-off finds no plan and the fallback none either:
+  // the exact search without a cut-off answers, and its bound is its optimum (it had
+  // been reported NaN; tester's case, one huge layer among small ones).
+  StepProfile p;
+  p.options = {"o0", "o1", "o2"};
+  p.layers = {
+      {OptionCost{821037, 0, 0.005441378739412974, 0.012310786423208528},
+       OptionCost{1367109, 0, 0.00507398389436226, 0.011751378853879616},
+       OptionCost{0, 2106573, 0.005299825178671595, 0.013644033451916863}},
+      {OptionCost{413738600, 0, 0.1682090951209947, 0.2666742040032694},
+       OptionCost{0, 703413000, 0.17173976109670344, 0.5478234225485571},
+       OptionCost{114689625, 458524815, 0.16843422994822005, 0.44394632576703186}},
+      {OptionCost{2969889, 0, 0.00370620545473299, 0.008442267489529606},
+       OptionCost{0, 288525, 0.003548312790384118, 0.01225316447993027},
+       OptionCost{525227, 242431, 0.003820900018326929, 0.009593910343655159}},
+      {OptionCost{2545221, 0, 0.0196836311669857, 0.044912288511739534},
+       OptionCost{589921, 956619, 0.019620592553720454, 0.07982369286467102},
+       OptionCost{1478817, 171894, 0.02038894143145154, 0.06672108307776009}}};
+  p.base_bytes = 160971;
+  p.tail_bytes = 2164549;
+  p.outside_seconds = 0.01707944739067245;
+  p.tail_seconds = 0.0030229616438263397;
+  p.d2h = CopyLink{0.0001, 1.338934584969528e-10};
+  p.h2d = CopyLink{0.000131680968766903, 1.5497987217102465e-10};
+  p.prefetch_depth = 1;
+  const int64_t budget = 417610660;
+  const PlanResult r = Planner(p).solve(budget);
+  const Best want = brute_force(p, budget);
+  ASSERT_TRUE(want.found);
+  ASSERT_TRUE(r.feasible);
+  EXPECT_TRUE(r.stats.exact);
+  EXPECT_NEAR(objective_of(r), want.time, 1e-12 * want.time);
+  ASSERT_TRUE(std::isfinite(r.stats.lower_bound));
+  EXPECT_NEAR(r.stats.lower_bound, objective_of(r), 1e-12 * want.time);
 }
 
 TEST(PlannerTest, RejectsBadInput) {
