@@ -63,6 +63,7 @@ void bind_planner(py::module_& m) {
   };
   m.def("planner_evaluate",
         [prediction_dict](const StepProfile& p, const std::vector<int>& assignment) {
+          p.validate();  // negative or overflowing bytes, bad times: a clear error
           return prediction_dict(evaluate(p, assignment));
         },
         py::arg("profile"), py::arg("assignment"),

@@ -35,6 +35,22 @@ void StepProfile::validate() const {
   }
   HP_CHECK_VALUE(base_bytes >= 0 && tail_bytes >= 0 && tail_held_bytes >= 0,
                  "profile base/tail bytes must be >= 0");
+  // Every sum of bytes the cost model and the planner form is at most this total (per
+  // layer its largest option's bytes of every kind): keeping it <= 2^60 keeps them all,
+  // and the planner's sort keys, far from int64 overflow.
+  long double total = static_cast<long double>(base_bytes) + tail_bytes + tail_held_bytes;
+  for (const auto& layer : layers) {
+    long double most = 0;
+    for (const OptionCost& c : layer) {
+      most = std::max(most, static_cast<long double>(c.kept_bytes) + c.offload_bytes +
+                                c.deferred_bytes + c.shared_bytes + c.held_bytes);
+    }
+    total += most;
+  }
+  HP_CHECK_VALUE(total <= static_cast<long double>(kMaxProfileBytes),
+                 "the profile's bytes add up to ", static_cast<double>(total),
+                 ", more than 2^60 (the planner's sums would overflow): byte counts are "
+                 "bytes, not bits or elements; check how the profile was built");
   HP_CHECK_VALUE(prefetch_depth >= 0, "profile prefetch depth must be >= 0, got ",
                  prefetch_depth);
   HP_CHECK_VALUE(offload_window >= 0, "profile offload window must be >= 0, got ",

@@ -97,6 +97,9 @@ struct OptionCost {
 };
 
 // One direction of the copy link: a copy of n bytes takes latency + n * seconds_per_byte.
+// The most bytes a profile may add up to (StepProfile::validate()): 2^60.
+inline constexpr int64_t kMaxProfileBytes = int64_t{1} << 60;
+
 struct CopyLink {
   double latency_seconds = 0.0;
   double seconds_per_byte = 0.0;

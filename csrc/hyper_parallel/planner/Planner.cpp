@@ -50,17 +50,15 @@ int64_t round_down(int64_t bytes, int64_t quantum) {
 
 // Sorts labels by (phase, code when `by_code`, kept, time, backlog, host, then their
 // order of creation), the order prune() sweeps. Without codes the first two fit one
-// 64-bit key (phase in the top bits, kept bytes below 2^61: always, in practice), so the sort moves
+// 64-bit key (phase in the top bits; kept bytes stay below 2^61: a profile adds up to at
+// most 2^60 bytes, StepProfile::validate(), and the byte quantum is at most 2^60), so the sort moves
 // 24-byte keys instead of labels and gathers once (a third of a 100-layer solve's time
 // went to sorting the labels themselves).
 void sort_labels(std::vector<Label>& labels, bool by_code) {
-  constexpr int64_t kKeyKept = int64_t{1} << 61;
-  const bool narrow = std::all_of(labels.begin(), labels.end(),
-                                  [](const Label& l) { return l.kept < kKeyKept; });
-  if (by_code || !narrow) {
-    std::stable_sort(labels.begin(), labels.end(), [](const Label& a, const Label& b) {
+  if (by_code) {
+    std::stable_sort(labels.begin(), labels.end(), [by_code](const Label& a, const Label& b) {
       if (a.phase != b.phase) return a.phase < b.phase;
-      if (a.code != b.code) return a.code < b.code;
+      if (by_code && a.code != b.code) return a.code < b.code;
       if (a.kept != b.kept) return a.kept < b.kept;
       if (a.time != b.time) return a.time < b.time;
       if (a.backlog != b.backlog) return a.backlog < b.backlog;
@@ -335,7 +333,8 @@ Planner::Planner(StepProfile profile, int64_t byte_quantum, double time_toleranc
   HP_CHECK_VALUE(profile_.offload_window == 0, "the planner solves for offload window 0 (its "
                  "plans set it when applied); got a profile with offload window ",
                  profile_.offload_window, ". Set PlannerProfile.offload_window = 0");
-  HP_CHECK_VALUE(byte_quantum >= 1, "planner byte quantum must be >= 1, got ", byte_quantum);
+  HP_CHECK_VALUE(byte_quantum >= 1 && byte_quantum <= kMaxProfileBytes,
+                 "planner byte quantum must be in [1, 2^60], got ", byte_quantum);
   HP_CHECK_VALUE(std::isfinite(time_tolerance) && time_tolerance >= 0.0 && time_tolerance < 1.0,
                  "planner time tolerance must be in [0, 1), got ", time_tolerance);
   const size_t n = profile_.num_layers(), s = profile_.num_options();
@@ -427,7 +426,7 @@ PlanResult Planner::solve(int64_t budget, const std::vector<uint64_t>& allowed,
   int64_t target = budget;
   for (int i = 0; i < kHeldRetries && cur.feasible && cur.prediction.peak_bytes > budget; ++i) {
     target -= std::max<int64_t>(cur.prediction.peak_bytes - budget, quantum_);
-    if (target <= profile_.base_bytes) break;
+    if (target < profile_.base_bytes) break;
     cur = solve_charged(target, allowed, host_budget, true);
   }
   if (!cur.feasible || cur.prediction.peak_bytes > budget) return most;
@@ -514,7 +513,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   std::vector<std::vector<double>> rest;
   int64_t bin_bytes = 1;
   double root = kInf;  // the relaxation's optimum, a lower bound of every plan's objective
-  if (tolerance_ == 0.0 && budget > profile_.base_bytes) {
+  if (tolerance_ == 0.0 && budget >= profile_.base_bytes) {
     bin_bytes = std::max<int64_t>(1, (budget - profile_.base_bytes) / kRestBins);
     rest = rest_bound(budget, m, bin_bytes);
     root = rest[0][0] + profile_.tail_seconds + profile_.outside_seconds;
@@ -636,7 +635,7 @@ double Planner::relaxed_bound(int64_t budget, const std::vector<uint64_t>& allow
   const StepProfile& p = profile_;
   const size_t n = p.num_layers(), s = p.num_options();
   const bool exposed = p.prefetch_depth == 0;
-  if (budget <= p.base_bytes) return kInf;
+  if (budget < p.base_bytes) return kInf;
   struct R {
     int64_t kept;
     double time;
@@ -845,7 +844,7 @@ PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_
   // The least budget the memory-only search meets (charging the most held bytes, or the
   // least: a relaxation).
   auto least_budget = [&](int64_t top, bool least) {
-    int64_t lo = p.base_bytes;  // infeasible: every plan holds more than base
+    int64_t lo = p.base_bytes - 1;  // infeasible: every plan holds at least base
     while (top - lo > 1) {
       const int64_t mid = lo + (top - lo) / 2;
       if (fits(mid, least)) top = mid;
@@ -884,7 +883,7 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
   const bool exposed = p.prefetch_depth == 0;  // every reload waits in full
   const int64_t host_cap = host_budget < 0 ? std::numeric_limits<int64_t>::max() : host_budget;
   PlanResult result;
-  if (budget <= p.base_bytes) return result;
+  if (budget < p.base_bytes) return result;
   uint64_t keep_mod = 1;  // radix^(depth - 1): the digits that survive one shift
   for (int i = 1; i < depth; ++i) keep_mod *= radix_;
   // Bytes the caller holds past their backward, of the layers after each (Planner.h):

@@ -930,12 +930,42 @@ TEST(PlannerTest, RejectsBadInput) {
   const Planner planner(p);
   EXPECT_THROW(planner.solve(1 << 30, {1, 1}), c10::ValueError);
   EXPECT_THROW(planner.solve(1 << 30, {1, 0, 1}), c10::ValueError);
-  // A budget below the bytes held outside the layers can never be met.
+  // A budget below the bytes held outside the layers can never be met; at them, only by
+  // a plan holding nothing else (none here: every option keeps bytes).
+  EXPECT_FALSE(planner.solve(p.base_bytes - 1).feasible);
   EXPECT_FALSE(planner.solve(p.base_bytes).feasible);
   p.prefetch_depth = -1;
   EXPECT_THROW(Planner{p}, c10::ValueError);
   p.prefetch_depth = 1;
   EXPECT_THROW((Planner{p, 0}), c10::ValueError);
+  EXPECT_THROW((Planner{p, kMaxProfileBytes + 1}), c10::ValueError);
+  // Bytes adding up past 2^60 would overflow the planner's sums and sort keys (a tester's
+  // profile of two 2^61-byte layers was solved wrong and called exact): refused.
+  p = synthetic(3, 1, 1.0);
+  p.layers[1][0].kept_bytes = kMaxProfileBytes;
+  EXPECT_THROW(Planner{p}, c10::ValueError);
+  EXPECT_THROW(p.validate(), c10::ValueError);  // (planner_evaluate's binding checks it)
+  p.layers[1][0].kept_bytes = kMaxProfileBytes / 2;  // the sum still fits
+  EXPECT_NO_THROW(Planner{p});
+}
+
+TEST(PlannerTest, ABudgetOfTheBaseBytesIsMetByAPlanHoldingNothingElse) {
+  // solve() had refused every budget <= base_bytes, while min_peak() returned a plan whose
+  // peak was the base bytes (tester).
+  StepProfile p;
+  p.options = {"none", "swap"};
+  p.base_bytes = 1000;
+  p.layers = {{OptionCost{0, 0, 1.0, 1.0}, OptionCost{0, 0, 1.0, 1.0}},
+              {OptionCost{64, 0, 1.0, 1.0}, OptionCost{0, 0, 1.5, 1.0}}};
+  const Planner planner(p);
+  const PlanResult r = planner.solve(1000);
+  ASSERT_TRUE(r.feasible);
+  EXPECT_EQ(r.prediction.peak_bytes, 1000);
+  EXPECT_EQ(r.assignment[1], 1);
+  EXPECT_FALSE(planner.solve(999).feasible);
+  const PlanResult least = planner.min_peak();
+  ASSERT_TRUE(least.feasible);
+  EXPECT_EQ(least.prediction.peak_bytes, 1000);
 }
 
 TEST(PlannerTest, AllowedMasksRestrictOptions) {

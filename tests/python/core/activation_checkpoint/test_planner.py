@@ -604,3 +604,22 @@ def test_feasibility_is_monotone_when_options_hold_unlike_bytes():
         assert plan.predicted_peak_bytes == predict(
             profile, [plan.strategies[name] for name in profile.layer_names],
             offload_window=0)["peak_bytes"]
+
+
+def test_core_value_errors_are_value_errors_without_a_cpp_backtrace():
+    # A bad profile given to the C++ core: a ValueError (and, as before, a RuntimeError)
+    # whose message is the library's sentence alone, not c10's C++ frames.
+    from hyper_parallel import _C
+    p = _C.PlannerProfile()
+    p.options = ["none"]
+    p.layers = [[_C.PlannerOptionCost(-1, 0, 0.0, 0.0)]]
+    for call in (lambda: _C.Planner(p), lambda: _C.planner_evaluate(p, [0])):
+        with pytest.raises(ValueError, match=r"^hyper_parallel: layer 0 option 'none' has "
+                                             r"negative bytes$") as info:
+            call()
+        assert isinstance(info.value, RuntimeError)
+        assert "frame #" not in str(info.value)
+    # Bytes adding up past 2^60 would overflow the planner's sums: refused by name.
+    p.layers = [[_C.PlannerOptionCost(1 << 61, 0, 0.0, 0.0)]]
+    with pytest.raises(ValueError, match="more than 2\\^60"):
+        _C.Planner(p)
