@@ -464,8 +464,23 @@ PlanResult Planner::solve_charged(int64_t budget, const std::vector<uint64_t>& a
     lowered.stats.lower_bound = std::min(bound, lowered.stats.objective);
     return lowered;
   }
-  PlanResult runs = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels,
-                           0, false, 0, kExactLabelsPerLayer, true, least_held);
+  // With a plan that fits (the lowered one), only faster plans matter: the run-charge
+  // search runs with its objective as the cut-off (branch and bound, solve_uncharged();
+  // rest_bound() leaves the charge out, a lower bound still), its fronts that much smaller.
+  PlanResult runs;
+  bool searched = false;
+  if (lowered_ok && tolerance_ == 0.0) {
+    const int64_t bin_bytes = std::max<int64_t>(1, (budget - profile_.base_bytes) / kRestBins);
+    const std::vector<std::vector<double>> rest = rest_bound(budget, m, bin_bytes);
+    const Cutoff cut{&rest, bin_bytes, lowered.stats.objective * (1.0 + 1e-12)};
+    runs = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels, 0, false,
+                  0, kExactLabelsPerLayer, true, least_held, &cut);
+    searched = !runs.stats.overflowed;  // (no plan found: none faster than the lowered one)
+  }
+  if (!searched) {
+    runs = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels, 0, false,
+                  0, kExactLabelsPerLayer, true, least_held);
+  }
   if (runs.stats.overflowed) {
     const int64_t bucket = std::max<int64_t>(1, (budget - profile_.base_bytes) / kFallbackBins);
     runs = search(budget, host_budget, m, false, quantum_, tolerance_, -1, kFallbackPerBin, false,
