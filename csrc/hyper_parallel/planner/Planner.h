@@ -52,8 +52,9 @@
 // within it, the second is the objective of the best plan known to fit (that search's or
 // the fallback's), so it cannot come back empty. Unsaturated 100-layer profiles: 20-30 ms,
 // 20-50x fewer labels created; saturated profiles of 30 layers that fell back are now
-// solved exactly; saturated 100-layer ones still fall back (their cut-off searches
-// outgrow the label limits), at 70-230 ms instead of 45-55.
+// solved exactly; saturated 100-layer ones (copies 1-3x a forward) still fall back: their
+// cut-off searches give up (label limits, or kCutScanPerLabel), at 66-99 ms instead of
+// 55-69.
 //
 // Deferred bytes (OptionCost::deferred_bytes, a layer input its caller still holds at the
 // layer's release point; they leave at the next layer's release point): their bytes are
@@ -192,6 +193,10 @@ inline constexpr int64_t kBoundBins = 512;
 // above the relaxation's optimum (relative; see the header comment for the second).
 inline constexpr int64_t kRestBins = 2048;
 inline constexpr double kCutoffFirst = 1e-3;
+// A search with a cut-off gives up once its prune() visited more than kCutScanPerLabel
+// front entries per label created (after kCutScanFloor labels): see search().
+inline constexpr int64_t kCutScanPerLabel = 128;
+inline constexpr int64_t kCutScanFloor = 20000;
 // Golden-section steps of host_priced_bound()'s price search.
 inline constexpr int kHostPriceSteps = 24;
 
