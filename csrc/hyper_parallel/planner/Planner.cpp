@@ -48,6 +48,24 @@ int64_t round_down(int64_t bytes, int64_t quantum) {
   return quantum <= 1 ? bytes : bytes / quantum * quantum;
 }
 
+// The relaxation's seconds of option `c` (relaxed_bound(), rest_bound(): no D2H backlog):
+// its forward and backward, the traffic term plus `host_price` per offloaded byte, and at
+// prefetch depth 0 its whole reload.
+double relaxed_work(const StepProfile& p, const OptionCost& c, double host_price) {
+  const int64_t off = c.group_bytes();
+  return c.forward_seconds + c.backward_seconds +
+         (kTrafficSecondsPerByte + host_price) * static_cast<double>(off) +
+         (p.prefetch_depth == 0 ? p.h2d.seconds(off) : 0.0);
+}
+
+// At depth >= 1, the stall of the reload of the layer before (`prev_off` bytes) that the
+// backward of `c` does not hide.
+double reload_stall(const StepProfile& p, int64_t prev_off, const OptionCost& c) {
+  return p.prefetch_depth != 0 && prev_off > 0
+             ? std::max(0.0, p.h2d.seconds(prev_off) - c.backward_seconds)
+             : 0.0;
+}
+
 // Sorts labels by (phase, code when `by_code`, kept, time, backlog, host, then their
 // order of creation), the order prune() sweeps. Without codes the first two fit one
 // 64-bit key (phase in the top bits; kept bytes stay below 2^61: a profile adds up to at
@@ -56,9 +74,9 @@ int64_t round_down(int64_t bytes, int64_t quantum) {
 // went to sorting the labels themselves).
 void sort_labels(std::vector<Label>& labels, bool by_code) {
   if (by_code) {
-    std::stable_sort(labels.begin(), labels.end(), [by_code](const Label& a, const Label& b) {
+    std::stable_sort(labels.begin(), labels.end(), [](const Label& a, const Label& b) {
       if (a.phase != b.phase) return a.phase < b.phase;
-      if (by_code && a.code != b.code) return a.code < b.code;
+      if (a.code != b.code) return a.code < b.code;
       if (a.kept != b.kept) return a.kept < b.kept;
       if (a.time != b.time) return a.time < b.time;
       if (a.backlog != b.backlog) return a.backlog < b.backlog;
@@ -193,9 +211,6 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
         dominated = true;
         break;
       }
-    }
-    for (size_t d : below[cls]) {
-      if (dominated) break;
       // The least f.time + extra over front d (extra >= 0 unless both backlogs are past
       // `linear`, where it is f.backlog - l.backlog).
       const double reach = l.backlog >= linear
@@ -205,17 +220,14 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
       // Newest entries first: they hold the most (kept order), so a dominator, which must
       // be about as fast as l, is most often among them.
       const std::vector<Front>& front = fronts[d];
-      for (size_t j = front.size(); j-- > 0;) {
+      for (size_t j = front.size(); !dominated && j-- > 0;) {
         const Front& f = front[j];
         ++visited;
         const double extra = f.backlog >= linear && l.backlog >= linear
                                  ? f.backlog - l.backlog
                                  : std::max(0.0, f.backlog - l.backlog);
-        if (f.host <= l.host && f.held + run_charge(f.option, l.option) <= l_held &&
-            f.time + extra <= l.time + eps) {
-          dominated = true;
-          break;
-        }
+        dominated = f.host <= l.host && f.held + run_charge(f.option, l.option) <= l_held &&
+                    f.time + extra <= l.time + eps;
       }
       if (dominated) break;
     }
@@ -473,9 +485,8 @@ PlanResult Planner::solve_charged(int64_t budget, const std::vector<uint64_t>& a
   PlanResult runs;
   bool searched = false;
   if (lowered_ok && tolerance_ == 0.0) {
-    const int64_t bin_bytes = std::max<int64_t>(1, (budget - profile_.base_bytes) / kRestBins);
-    const std::vector<std::vector<double>> rest = rest_bound(budget, m, bin_bytes);
-    const Cutoff cut{&rest, bin_bytes, lowered.stats.objective * (1.0 + 1e-12)};
+    const RestBound rest = rest_bound(budget, m);
+    const Cutoff cut{&rest, lowered.stats.objective * (1.0 + 1e-12)};
     runs = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels, 0, false,
                   0, kExactLabelsPerLayer, true, least_held, &cut);
     searched = !runs.stats.overflowed;  // (no plan found: none faster than the lowered one)
@@ -528,15 +539,12 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   // come back empty. Each search is given up once a front outgrows kMaxExactLabels, or
   // kExactLabelsPerLayer x (layers decided): fronts that grow that fast are the saturated
   // case, whose fronts reach 10^5-10^6 labels without a cut-off (Planner.h).
-  std::vector<std::vector<double>> rest;
-  int64_t bin_bytes = 1;
-  double root = kInf;  // the relaxation's optimum, a lower bound of every plan's objective
+  RestBound rest;  // empty with a tolerance (or a budget below the base bytes)
   if (tolerance_ == 0.0 && budget >= profile_.base_bytes) {
-    bin_bytes = std::max<int64_t>(1, (budget - profile_.base_bytes) / kRestBins);
-    rest = rest_bound(budget, m, bin_bytes);
-    root = rest[0][0] + profile_.tail_seconds + profile_.outside_seconds;
-    if (!std::isfinite(root)) return PlanResult{};  // not even the relaxation fits
+    rest = rest_bound(budget, m);
+    if (!std::isfinite(rest.root)) return PlanResult{};  // not even the relaxation fits
   }
+  const double root = rest.root;
   int64_t spent_created = 0, spent_kept = 0;  // labels of the searches given up
   auto exact = [&](PlanResult x) {
     x.stats.labels_created += spent_created;
@@ -547,12 +555,12 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     return x;
   };
   auto cut_search = [&](double seconds) {
-    const Cutoff cut{&rest, bin_bytes, seconds};
+    const Cutoff cut{&rest, seconds};
     return search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels, 0,
                   false, 0, kExactLabelsPerLayer, false, least_held, &cut);
   };
   double known = kInf;  // the objective of a plan known to fit
-  if (!rest.empty()) {
+  if (!rest.seconds.empty()) {
     const double first = root * (1.0 + kCutoffFirst);
     PlanResult r = cut_search(first);
     if (!r.stats.overflowed && r.feasible && r.stats.objective <= first) return exact(r);
@@ -571,7 +579,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   const int64_t bucket = std::max<int64_t>(1, (budget - profile_.base_bytes) / kFallbackBins);
   PlanResult a = search(budget, host_budget, m, false, quantum_, tolerance_, -1, kFallbackPerBin,
                         false, bucket, 0, false, least_held);
-  if (!rest.empty() && (a.feasible || std::isfinite(known))) {
+  if (!rest.seconds.empty() && (a.feasible || std::isfinite(known))) {
     // A plan within it fits: the exact search within its objective cannot come back empty.
     const double upper = a.feasible ? std::min(known, a.stats.objective) : known;
     PlanResult r = cut_search(upper * (1.0 + 1e-12));
@@ -652,7 +660,6 @@ double Planner::relaxed_bound(int64_t budget, const std::vector<uint64_t>& allow
   // parents' order, so a merge of the per-option lists keeps the order (no sort).
   const StepProfile& p = profile_;
   const size_t n = p.num_layers(), s = p.num_options();
-  const bool exposed = p.prefetch_depth == 0;
   if (budget < p.base_bytes) return kInf;
   struct R {
     int64_t kept;
@@ -675,9 +682,7 @@ double Planner::relaxed_bound(int64_t budget, const std::vector<uint64_t>& allow
       if (!(allowed[k] >> o & 1)) continue;
       const OptionCost c = p.effective(k, o);
       const int64_t off = c.group_bytes();
-      const double work = c.forward_seconds + c.backward_seconds +
-                          (kTrafficSecondsPerByte + host_price) * static_cast<double>(off) +
-                          (exposed ? p.h2d.seconds(off) : 0.0);
+      const double work = relaxed_work(p, c, host_price);
       const int32_t cls = depth_ > 0 ? class_of_[k][o] : 0;
       std::vector<R>& out = lists[o];
       for (const R& b : cur) {
@@ -685,11 +690,7 @@ double Planner::relaxed_bound(int64_t budget, const std::vector<uint64_t>& allow
         const int64_t held = p.base_bytes + b.kept + c.kept_bytes + off;
         if (held > budget || held + prev_off + after[k] > budget) continue;
         if (last && p.base_bytes + b.kept + c.kept_bytes + p.tail_bytes > budget) continue;
-        double t = b.time + work;
-        if (!exposed && prev_off > 0) {
-          t += std::max(0.0, p.h2d.seconds(prev_off) - c.backward_seconds);
-        }
-        out.push_back(R{b.kept + c.kept_bytes, t, cls});
+        out.push_back(R{b.kept + c.kept_bytes, b.time + work + reload_stall(p, prev_off, c), cls});
       }
     }
     const std::vector<int64_t>& bytes = class_bytes_[k];
@@ -742,9 +743,7 @@ double Planner::relaxed_bound(int64_t budget, const std::vector<uint64_t>& allow
   return t + p.tail_seconds + p.outside_seconds;
 }
 
-std::vector<std::vector<double>> Planner::rest_bound(int64_t budget,
-                                                    const std::vector<uint64_t>& allowed,
-                                                    int64_t bin_bytes) const {
+Planner::RestBound Planner::rest_bound(int64_t budget, const std::vector<uint64_t>& allowed) const {
   // Backwards over the layers: rest[k][i, c] = min over the options o of layer k that fit
   // with i x bin_bytes kept before it (the sample points of search(), kept bytes rounded
   // down: every plan that fits there fits here) of its work and reload stall plus
@@ -752,15 +751,18 @@ std::vector<std::vector<double>> Planner::rest_bound(int64_t budget,
   // layer only lowers the bound (the table is non-decreasing in i).
   const StepProfile& p = profile_;
   const size_t n = p.num_layers(), s = p.num_options();
-  const bool exposed = p.prefetch_depth == 0;
   const size_t radix = static_cast<size_t>(radix_);
+  RestBound out;
+  out.bin_bytes = std::max<int64_t>(1, (budget - p.base_bytes) / kRestBins);
+  const int64_t bin_bytes = out.bin_bytes;
   const size_t bins = static_cast<size_t>(std::max<int64_t>(0, budget - p.base_bytes) / bin_bytes) + 1;
   const std::vector<int64_t> after = held_after(allowed, true);
-  std::vector<std::vector<double>> rest(n + 1);
+  std::vector<std::vector<double>>& rest = out.seconds;
+  rest.resize(n + 1);
   rest[n].assign(bins * radix, 0.0);
   for (size_t k = n; k-- > 0;) {
-    std::vector<double>& out = rest[k];
-    out.assign(bins * radix, kInf);
+    std::vector<double>& row = rest[k];
+    row.assign(bins * radix, kInf);
     const std::vector<double>& later = rest[k + 1];
     const bool last = k + 1 == n;
     const size_t prev_classes = depth_ > 0 && k > 0 ? class_bytes_[k - 1].size() : 1;
@@ -768,15 +770,11 @@ std::vector<std::vector<double>> Planner::rest_bound(int64_t budget,
       if (!(allowed[k] >> o & 1)) continue;
       const OptionCost c = p.effective(k, o);
       const int64_t off = c.group_bytes();
-      const double work = c.forward_seconds + c.backward_seconds +
-                          kTrafficSecondsPerByte * static_cast<double>(off) +
-                          (exposed ? p.h2d.seconds(off) : 0.0);
+      const double work = relaxed_work(p, c, 0.0);
       const size_t cls = depth_ > 0 ? static_cast<size_t>(class_of_[k][o]) : 0;
       for (size_t pc = 0; pc < prev_classes; ++pc) {
         const int64_t prev_off = depth_ > 0 && k > 0 ? class_bytes_[k - 1][pc] : 0;
-        const double t = work + (!exposed && prev_off > 0
-                                     ? std::max(0.0, p.h2d.seconds(prev_off) - c.backward_seconds)
-                                     : 0.0);
+        const double t = work + reload_stall(p, prev_off, c);
         for (size_t i = 0; i < bins; ++i) {
           const int64_t kept = static_cast<int64_t>(i) * bin_bytes;
           const int64_t held = p.base_bytes + kept + c.kept_bytes;
@@ -785,13 +783,14 @@ std::vector<std::vector<double>> Planner::rest_bound(int64_t budget,
           if (last && held + p.tail_bytes > budget) break;
           const size_t j = static_cast<size_t>((kept + c.kept_bytes) / bin_bytes);
           const double v = t + later[j * radix + cls];
-          double& slot = out[i * radix + pc];
+          double& slot = row[i * radix + pc];
           if (v < slot) slot = v;
         }
       }
     }
   }
-  return rest;
+  out.root = rest[0][0] + p.tail_seconds + p.outside_seconds;
+  return out;
 }
 
 double Planner::relaxed_lower_bound(int64_t budget, const std::vector<uint64_t>& allowed,
@@ -1028,9 +1027,9 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
           if (cutoff != nullptr) {
             // The least time any completion of x can take: beyond the cut-off, x leads to no
             // plan within it.
-            const int64_t bin = x.kept / cutoff->bin_bytes;
-            const double left = (*cutoff->rest)[k + 1][static_cast<size_t>(bin) * radix_ +
-                                                       (depth > 0 ? x.code % radix_ : 0)];
+            const int64_t bin = x.kept / cutoff->rest->bin_bytes;
+            const double left = cutoff->rest->seconds[k + 1][static_cast<size_t>(bin) * radix_ +
+                                                             (depth > 0 ? x.code % radix_ : 0)];
             // Draining, the wait of the first reload is at least the backlog less the most
             // work left before it (rest_bound() counts no wait).
             const double wait =

@@ -152,6 +152,7 @@
 #include "hyper_parallel/planner/CostModel.h"
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace hyper_parallel::planner {
@@ -257,31 +258,32 @@ class Planner {
   // The largest shared charge of any assignment within `masks` (masks()): per option, its
   // largest shared_bytes over the layers (>= 1) that allow it.
   int64_t max_shared_charge(const std::vector<uint64_t>& masks) const;
-  // max_labels < 0: no limit.
-  // The search's cut-off (branch and bound): `rest` (rest_bound()) bounds the time left
-  // after each layer from below; a label whose time plus that, the tail and the time
-  // outside the layers exceeds `cutoff` seconds is dropped.
-  struct Cutoff {
-    const std::vector<std::vector<double>>* rest = nullptr;
+  // rest_bound(): seconds[k][i * radix_ + c] is a lower bound of the time (seconds,
+  // traffic term included) of layers k .. n-1 when the layers before k keep at least
+  // i x bin_bytes and layer k-1 took offload class c; root the lower bound of a whole
+  // step's objective (seconds[0][0] + tail + outside; +inf: no plan fits).
+  struct RestBound {
+    std::vector<std::vector<double>> seconds;
     int64_t bin_bytes = 1;
+    double root = std::numeric_limits<double>::infinity();
+  };
+  // The search's cut-off (branch and bound): a label whose time plus the bound of `rest`
+  // on what is left, the tail and the time outside the layers exceeds `seconds` is dropped.
+  struct Cutoff {
+    const RestBound* rest = nullptr;
     double seconds = 0.0;
   };
-  // `cutoff` (optional): see Cutoff.
+  // max_labels < 0: no limit. `cutoff` (optional): see Cutoff.
   PlanResult search(int64_t budget_bytes, int64_t host_budget_bytes,
                     const std::vector<uint64_t>& allowed, bool memory_only, int64_t quantum,
                     double tolerance, int64_t max_labels, int per_kept = 0,
                     bool relaxed = false, int64_t bucket = 0,
                     int64_t labels_per_layer = 0, bool charge_runs = false,
                     bool least_held = false, const Cutoff* cutoff = nullptr) const;
-  // rest[k][i * radix_ + c]: a lower bound of the time (seconds, traffic term included)
-  // of layers k .. n-1 when the layers before k keep at least i x bin_bytes and layer
-  // k-1 took offload class c: the relaxation of relaxed_bound() (no D2H backlog, least
-  // held bytes, no pending or shared bytes) solved backwards over kept bytes rounded down
-  // to multiples of bin_bytes (kRestBins of them up to the budget). O(layers x kRestBins x
-  // classes x options).
-  std::vector<std::vector<double>> rest_bound(int64_t budget_bytes,
-                                              const std::vector<uint64_t>& allowed,
-                                              int64_t bin_bytes) const;
+  // The relaxation of relaxed_bound() (no D2H backlog, least held bytes, no pending or
+  // shared bytes) solved backwards over kept bytes rounded down to multiples of bin_bytes
+  // (budget / kRestBins). O(layers x kRestBins x classes x options).
+  RestBound rest_bound(int64_t budget_bytes, const std::vector<uint64_t>& allowed) const;
   // The optimum of the relaxation (depth <= 1, no host budget): exact bytes, no D2H
   // backlog; +inf when no plan meets the budget.
   // `host_price` (seconds per byte) is added to every offloaded byte's time.
