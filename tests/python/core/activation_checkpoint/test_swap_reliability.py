@@ -296,3 +296,46 @@ def test_loaded_model_gets_fresh_layer_ids(cpu_swap, dev):
     SwapManager().reset_stats()
     assert all(torch.equal(a, b) for a, b in zip(_step(loaded, x), _step(plain.to(dev), x)))
     assert SwapManager().stats()["offload_bytes"] > 0
+
+
+# -- 5. storages changed outside the engine ----------------------------------------------
+
+class _ExpBlock(nn.Module):
+    """exp saves its output: the block's output is a saved tensor of its own layer."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.exp(self.lin(x) * 0.1)
+
+
+@pytest.mark.parametrize("which", ["held_by_caller", "last_layer"])
+def test_a_saved_storage_freed_outside_the_engine_is_a_clear_error(cpu_swap, dev, which):
+    # (tester, session 18) The caller freed a saved tensor's storage after the forward
+    # (untyped_storage().resize_(0), as FSDP does with its own buffers): the backward
+    # failed on an internal assertion asking for a bug report to PyTorch. It is the
+    # caller's error (plain torch fails there too); it now says so, and the next step
+    # trains as before.
+    torch.manual_seed(0)
+    d = 16
+    plain = nn.ModuleList(_ExpBlock(d) for _ in range(4)).to(dev)
+    layers = nn.ModuleList(swap_wrapper(copy.deepcopy(m)) for m in plain)
+    for a, b in zip(layers, list(layers)[1:]):
+        SwapManager().set_forward_prefetch_layer(a, b)
+    x = torch.randn(8, d, device=dev)
+    h, outs = x, []
+    for m in layers:
+        h = m(h)
+        outs.append(h)
+    loss = h.sum()  # (saves nothing: only the layers' saves read the freed storage)
+    victim = outs[0] if which == "held_by_caller" else outs[-1]
+    victim.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match=r"hyper_parallel: a tensor saved for backward .* "
+                                           r"has a storage of 0 bytes, but it held 512"):
+        loss.backward()
+    del h, outs, victim, loss
+    for m in layers:
+        m.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(_step(layers, x), _step(plain, x)))
