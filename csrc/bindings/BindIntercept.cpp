@@ -116,6 +116,14 @@ csrc/hyper_parallel/activation/OpInterceptor.h.)doc")
       .def("exit", &SacRegion::exit)
       .def("end_forward", &SacRegion::end_forward)
       .def_property_readonly("written", &SacRegion::written)
+      .def("recompute_save",
+           [](SacRegion& r, const at::Tensor& t) {
+             auto s = r.recompute_save(t);
+             return py::make_tuple(std::move(s.tensor), s.watch);
+           },
+           py::arg("tensor"),
+           "(tensor to save in place of `tensor`, whether it shares memory with a private "
+           "copy of a written external tensor); see ExternalReads::recompute_save.")
       .def("add_excluding", &SacRegion::add_excluding, py::arg("delta"))
       .def_property_readonly("intercepted", &SacRegion::intercepted)
       .def_property_readonly("python_calls", &SacRegion::python_calls);

@@ -1,10 +1,13 @@
 #include "hyper_parallel/activation/ExternalReads.h"
 
+#include <torch/csrc/autograd/variable.h>
+
 #include "hyper_parallel/activation/OpPolicyTable.h"
 #include "hyper_parallel/common/Macros.h"
 
 #include <ATen/ops/view_as_real.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <sstream>
 
@@ -221,8 +224,57 @@ at::Tensor ExternalReads::resolve(const at::Tensor& t, int64_t op_key) {
   return it->second;
 }
 
-void ExternalReads::recompute_args(int64_t op_key, std::vector<c10::IValue>& stack, size_t n) {
+ExternalReads::Save ExternalReads::recompute_save(const at::Tensor& t) {
+  Save out{t, false};
+  if (!t.defined() || reads_.empty()) return out;
+  Read* rec = find(t);
+  if (rec != nullptr && rec->snap == Snap::kValue) {
+    auto it = shadows_.find(t.unsafeGetTensorImpl());
+    if (it == shadows_.end()) {
+      it = shadows_.emplace(t.unsafeGetTensorImpl(), copy_of(rec->snapshot)).first;
+    }
+    out.tensor = it->second;
+    out.watch = true;
+    return out;
+  }
+  if (!t.has_storage()) return out;
+  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  for (const auto& [impl, shadow] : shadows_) {
+    if (shadow.has_storage() && shadow.storage().unsafeGetStorageImpl() == storage) {
+      out.watch = true;
+      break;
+    }
+  }
+  return out;
+}
+
+void ExternalReads::recompute_args(int64_t op_key, std::vector<c10::IValue>& stack, size_t n,
+                                   const std::vector<int>& writes) {
   if (reads_.empty()) return;
+  resolve_args(op_key, stack, n);
+  if (writes.empty() || shadows_.empty()) return;
+  auto bump_if_copy = [this](const at::Tensor& t) {
+    if (!t.defined()) return;
+    for (const auto& [impl, shadow] : shadows_) {
+      if (shadow.is_same(t)) {
+        torch::autograd::impl::bump_version(t);
+        return;
+      }
+    }
+  };
+  const size_t base = stack.size() - n;
+  for (int w : writes) {
+    if (w < 0 || static_cast<size_t>(w) >= n) continue;
+    const c10::IValue& v = stack[base + static_cast<size_t>(w)];
+    if (v.isTensor()) {
+      bump_if_copy(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) bump_if_copy(t);
+    }
+  }
+}
+
+void ExternalReads::resolve_args(int64_t op_key, std::vector<c10::IValue>& stack, size_t n) {
   for (size_t i = stack.size() - n; i < stack.size(); ++i) {
     const c10::IValue v = stack[i];
     c10::IValue& slot = stack[i];

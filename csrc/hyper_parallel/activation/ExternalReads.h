@@ -68,8 +68,27 @@ class ExternalReads {
   void begin_recompute();
   // Rewrites the `n` arguments at the end of `stack` in place: written external tensors
   // become this pass's private copy of the value forward read. Throws when an external
-  // tensor was modified after forward read it, or when its value was not kept.
-  void recompute_args(int64_t op_key, std::vector<c10::IValue>& stack, size_t n);
+  // tensor was modified after forward read it, or when its value was not kept. A private
+  // copy at a position of `writes` (the op writes it) has its version bumped, as autograd
+  // bumps the tensor it sees (the real one, above the redirection): a value saved from
+  // the copy before this write then shows the write (recompute_save's `watch`).
+  void recompute_args(int64_t op_key, std::vector<c10::IValue>& stack, size_t n,
+                      const std::vector<int>& writes = {});
+
+  // Recompute: what autograd must save in place of `t`, which an op of the recompute is
+  // about to save for backward (called from a saved-tensor pack hook, before the op runs),
+  // and whether the saved tensor shares memory with a private copy. Autograd saves an op's
+  // arguments above the dispatch level at which reads are redirected, so a written external
+  // tensor would be saved as itself, holding the value the whole forward left (the
+  // gradient then reads that, not the value the op read): the private copy is saved
+  // instead. `watch` is true when the tensor saved is, or views, a private copy: a later
+  // write of the recompute to that copy would change a saved value (plain autograd's
+  // version error); the caller compares its version when the recompute ends.
+  struct Save {
+    at::Tensor tensor;
+    bool watch = false;
+  };
+  Save recompute_save(const at::Tensor& t);
 
   size_t reads() const { return reads_.size(); }
 
@@ -97,6 +116,8 @@ class ExternalReads {
   Read* find(const at::Tensor& t);
   // `t` as the recompute must read it (itself, or the private copy); throws as documented.
   at::Tensor resolve(const at::Tensor& t, int64_t op_key);
+  // recompute_args() without the version bumps.
+  void resolve_args(int64_t op_key, std::vector<c10::IValue>& stack, size_t n);
   std::string name(const at::Tensor& t) const;
   std::string modified_message(const at::Tensor& t, int64_t op_key, uint32_t version) const;
   std::string overlapped_message(const at::Tensor& t) const;

@@ -350,7 +350,20 @@ void SacRegion::recompute(const c10::OperatorHandle& op, const OpFacts& facts,
   g_intercepted.fetch_add(1, std::memory_order_relaxed);
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
-  external_.recompute_args(facts.key, *stack, nargs);
+  if (facts.writes.empty() || facts.kind == OpKind::kCollective) {
+    external_.recompute_args(facts.key, *stack, nargs);
+  } else {
+    // Declared writes only: the batch norms' writes of their running statistics (in
+    // facts.writes for the forward's copy on write) are not autograd's either, so they
+    // bump no version (ExternalReads::recompute_args).
+    std::vector<int> declared;
+    for (int w : facts.writes) {
+      if (w < 0 || static_cast<size_t>(w) >= nargs) continue;
+      const auto& alias = schema.arguments()[static_cast<size_t>(w)].alias_info();
+      if (alias != nullptr && alias->isWrite()) declared.push_back(w);
+    }
+    external_.recompute_args(facts.key, *stack, nargs, declared);
+  }
   if (facts.kind == OpKind::kCollective && collective_) {
     ++python_calls_;
     collective_(op, stack, true);

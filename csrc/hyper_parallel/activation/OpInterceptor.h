@@ -105,6 +105,9 @@ class SacRegion {
   void end_forward();
   // External tensors the forward wrote.
   int64_t written() const { return external_.written(); }
+  // Recompute: what a saved-tensor pack hook must save in place of `t` (see
+  // ExternalReads::recompute_save).
+  ExternalReads::Save recompute_save(const at::Tensor& t) { return external_.recompute_save(t); }
   // checkpoint_exclude_wrapper: ops of the forward pass through while > 0.
   void add_excluding(int delta) { excluding_ += delta; }
 

@@ -238,15 +238,27 @@ class ExternalTensors:
                         "op's schema (Tensor(a!)), or move that update out of the "
                         "checkpointed function.")
 
-    def recompute_args(self, op_name: str, args, kwargs):
+    def recompute_args(self, op_name: str, args, kwargs, writes=()):
         """The arguments the recompute's op must see: external tensors that forward wrote
-        become this pass's private copy of the value forward read.
+        become this pass's private copy of the value forward read. A private copy at a
+        position of ``writes`` (the op writes it) has its version bumped, as autograd bumps
+        the tensor it sees (the real one, above this redirection): a value saved from the
+        copy before the write then shows it (``recompute_save``'s ``watch``).
 
         Raises:
             RuntimeError: when an external tensor was modified after forward read it.
         """
         if not self._reads:
             return args, kwargs
+        args, kwargs = self._resolve_args(op_name, args, kwargs)
+        if writes and self._shadows:
+            shadows = self._shadows.values()
+            for t in iter_tensors(tuple(written_targets(args, kwargs, writes))):
+                if any(t is s for s in shadows):
+                    torch.autograd.graph.increment_version(t)
+        return args, kwargs
+
+    def _resolve_args(self, op_name: str, args, kwargs):
         new_args = None
         for i, a in enumerate(args):
             if isinstance(a, _Tensor):
@@ -297,6 +309,28 @@ class ExternalTensors:
             shadow = self._shadows[id(t)] = snap.clone()
         return shadow
 
+    def recompute_save(self, t):
+        """Recompute: ``(tensor, watch)``, what autograd must save in place of ``t``, which
+        an op of the recompute is about to save for backward (from a saved-tensor pack
+        hook, before the op runs), and whether that tensor shares memory with a private
+        copy. Autograd saves an op's arguments above the dispatch mode that redirects its
+        reads, so a written external tensor would be saved as itself, holding the value
+        the whole forward left, and the gradient would read that instead of the value the
+        op read: its private copy is saved instead. ``watch``: the tensor saved is, or
+        views, a private copy, which a later write of the recompute would change (plain
+        autograd's version error; :class:`SavedValues` checks it)."""
+        rec = self._reads.get(id(t))
+        if rec is not None and rec.ref() is t and isinstance(rec.snapshot, _Tensor):
+            shadow = self._shadows.get(id(t))
+            if shadow is None:
+                shadow = self._shadows[id(t)] = rec.snapshot.clone()
+            return shadow, True
+        if self._shadows:
+            key = _storage_key(t)
+            if key is not None and any(_storage_key(s) == key for s in self._shadows.values()):
+                return t, True
+        return t, False
+
     def _overlapped_message(self, t) -> str:
         return (f"hyper_parallel: the recompute of a checkpoint region reads {self._name(t)}, "
                 "whose value the region's forward changed after reading it by writing another "
@@ -315,3 +349,62 @@ class ExternalTensors:
             f"(version {version} -> {t._version}). Backward would compute its gradients from "
             "a different value than forward used. Modify it after backward (or before the "
             "forward), or clone it and let the region read the clone.")
+
+
+class SavedValues:
+    """The recompute of a region whose forward wrote tensors from outside it: a
+    saved-tensor pack hook on top of torch's recompute hook (entered inside it, by the
+    region's recompute context) that has autograd save each written external tensor's
+    private copy instead of the tensor itself (``recompute_save``: the value the op read,
+    not the one the forward left), and at exit raises when a saved value was written
+    after it was saved, where plain autograd raises its version error (torch's checkpoint
+    checks no version there and computes a wrong gradient).
+
+    ``recompute_save(t) -> (tensor, watch)``: ``ExternalTensors.recompute_save`` or the
+    C++ region's. Re-enterable (a retain_graph backward recomputes again).
+
+    Raises (at exit):
+        RuntimeError: a value saved in this recompute was modified in place afterwards.
+    """
+
+    __slots__ = ("_save", "_passes")
+
+    def __init__(self, recompute_save) -> None:
+        self._save = recompute_save
+        self._passes: list = []
+
+    def __enter__(self):
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None:  # (not under torch's frame: nothing saves through a hook here)
+            self._passes.append(None)
+            return self
+        pack, unpack = top
+        save, watched = self._save, []
+
+        def pack_hook(t):
+            u, watch = save(t)
+            if watch:
+                watched.append((u, u._version))
+            return pack(u)
+
+        torch._C._autograd._push_saved_tensors_default_hooks(pack_hook, unpack)
+        self._passes.append(watched)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        watched = self._passes.pop() if self._passes else None
+        if watched is None:
+            return False
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        for u, version in watched:
+            if u._version != version:
+                raise RuntimeError(
+                    "hyper_parallel: a tensor the recompute of a checkpoint region saved for "
+                    f"backward (shape {list(u.shape)}, {u.dtype}), a tensor from outside the "
+                    "region or a view of it, was modified by an in-place operation of the "
+                    f"region after it was saved (version {version} -> {u._version}); plain "
+                    "autograd raises here too (one of the variables needed for gradient "
+                    "computation has been modified by an inplace operation). Clone it before "
+                    "the region writes it, or move the write out of the checkpointed "
+                    "function.")
+        return False

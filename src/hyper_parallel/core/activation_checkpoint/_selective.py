@@ -50,7 +50,8 @@ from hyper_parallel._extension import _C
 from . import _memory
 from ._collectives import FUNCTIONAL_NAMESPACES, Collectives, is_collective
 from ._errors import ArgumentKindError
-from ._external import ExternalTensors, iter_tensors, tensor_name, written_targets
+from ._external import (ExternalTensors, SavedValues, iter_tensors, tensor_name,
+                        written_targets)
 from ._ignored_ops import is_sac_ignored
 from ._policy import CheckpointPolicy, to_policy
 from . import _recompute_state
@@ -491,6 +492,7 @@ class _CachedMode(TorchDispatchMode):
     def __init__(self, state: _RegionState) -> None:
         super().__init__()
         self._state = state
+        self._saves: list = []  # per pass: the SavedValues entered, or None
 
     def __enter__(self):
         st = self._state
@@ -500,11 +502,15 @@ class _CachedMode(TorchDispatchMode):
         st.external.begin_recompute()
         st.collectives.begin_recompute()
         _recompute_state.enter_recompute(st.rstate)
+        self._saves.append(_enter_saved_values(st.external.written, st.external.recompute_save))
         return super().__enter__()
 
     def __exit__(self, exc_type, exc, tb):
         result = super().__exit__(exc_type, exc, tb)
         _recompute_state.exit_recompute(self._state.rstate)
+        saves = self._saves.pop() if self._saves else None
+        if saves is not None:
+            saves.__exit__(exc_type, exc, tb)  # may raise: a saved value written after
         return result
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -514,7 +520,11 @@ class _CachedMode(TorchDispatchMode):
         st = self._state
         if info.kind == _PASSTHROUGH:
             return func(*args, **kwargs)
-        args, kwargs = st.external.recompute_args(info.name, args, kwargs)
+        # (declared writes only: the batch norms' writes of their running statistics,
+        # which autograd does not see either, bump no version)
+        writes = info.writes if (info.writes and info.kind != _COLLECTIVE
+                                 and func not in _UNANNOTATED_WRITES) else ()
+        args, kwargs = st.external.recompute_args(info.name, args, kwargs, writes)
         kind = info.kind
         if kind == _COLLECTIVE:
             return st.collectives.replay(func, args, kwargs, _C.backward_keeps_graph())
@@ -530,6 +540,17 @@ class _CachedMode(TorchDispatchMode):
         if out is _RECOMPUTE:
             return func(*args, **kwargs)
         return out
+
+
+def _enter_saved_values(written: int, recompute_save):
+    """In a recompute whose forward wrote external tensors: :class:`SavedValues` entered
+    (the private copies saved instead of the tensors, writes after a save refused);
+    otherwise None (nothing to redirect, no hook)."""
+    if written <= 0:
+        return None
+    saves = SavedValues(recompute_save)
+    saves.__enter__()
+    return saves
 
 
 def _end_forward(st: _RegionState, exc_type, exc, tb, written: int) -> None:
@@ -576,17 +597,19 @@ class _NativeForward:
 class _NativeRecompute:
     """Recompute of a region whose ops C++ intercepts (see :class:`_CachedMode`)."""
 
-    __slots__ = ("_state", "_shields")
+    __slots__ = ("_state", "_shields", "_saves")
 
     def __init__(self, state: _RegionState) -> None:
         self._state = state
         self._shields: list = []
+        self._saves: list = []  # per pass: the SavedValues entered, or None
 
     def __enter__(self):
         st = self._state
         st.native.enter_recompute()  # checks the external tensors; may raise
         st.collectives.begin_recompute()
         _recompute_state.enter_recompute(st.rstate)
+        self._saves.append(_enter_saved_values(st.native.written, st.native.recompute_save))
         shield = None
         if torch._C._len_torch_dispatch_stack() > 0:
             shield = _ReplayShield(st.cache)
@@ -601,6 +624,9 @@ class _NativeRecompute:
             shield.__exit__(exc_type, exc, tb)
         st.native.exit()
         _recompute_state.exit_recompute(st.rstate)
+        saves = self._saves.pop() if self._saves else None
+        if saves is not None:
+            saves.__exit__(exc_type, exc, tb)  # may raise: a saved value written after
         return False
 
 

@@ -555,3 +555,80 @@ def test_checkpoint_sequential_recomputes_with_the_functional_call_parameters():
     want = grads(None)
     got = grads(lambda seq, t: checkpoint_sequential(seq, 3, t))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ----------------------------------------- outside tensors written in place and saved for backward
+
+class _StepScale(nn.Module):
+    """Counts its calls in a buffer and scales by the count: the buffer is written, then
+    read by an op that saves it for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("step", torch.zeros(()))
+
+    def forward(self, x):
+        self.step += 1
+        return x * self.step
+
+
+def _two_calls_before_backward(call, early_stop=True):
+    torch.manual_seed(0)
+    module = _StepScale()
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    if call is _plain:  # the value each call read, as plain autograd would save it if it could
+        module.forward = lambda t: (module.step.add_(1), t * module.step.clone())[1]
+        y = module(x.sin()) + module(x.cos())
+    else:
+        y = call(module, x.sin(), early_stop) + call(module, x.cos(), early_stop)
+    y.sum().backward()
+    return x.grad, module.step
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_a_buffer_the_region_writes_is_saved_with_the_value_the_op_read(early_stop, cpu_swap,
+                                                                       mode):
+    # (tester, session 18) A module that increments a buffer and multiplies by it, called
+    # twice before one backward: the recompute read the buffer as forward did (through its
+    # private copy), but autograd saves an op's arguments above the dispatch level that
+    # redirects reads, so it saved the real buffer, holding the second call's count, and
+    # the first call's gradient silently used it (off by 0.96). Plain autograd raises
+    # there; torch's checkpoint is silently wrong. The copy is now what autograd saves.
+    options = MODES[mode]
+
+    def call(fn, t, stop):
+        return checkpoint(fn, t, early_stop=stop, **options)
+
+    (got, step), (ref, ref_step) = (_two_calls_before_backward(call, early_stop),
+                                    _two_calls_before_backward(_plain))
+    assert torch.equal(got, ref) and step.item() == ref_step.item() == 2
+
+
+def _saved_then_written(call, view: bool):
+    torch.manual_seed(0)
+    buf = torch.randn(4, dtype=torch.float64)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(a):
+        h = a.sin() * (buf[:] if view else buf)  # mul saves buf (or a view of it) ...
+        buf.add_(1)  # ... which the region then writes in place
+        return (h * buf).exp()
+
+    call(f, x).sum().backward()
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["itself", "a_view"])
+def test_an_outside_tensor_saved_then_written_by_the_region_is_a_clear_error(ckpt, view):
+    # (tester, session 18) Plain autograd raises its version error here; the recompute
+    # saved the real tensor (above the redirection) and backward read its final value:
+    # off by 2.97, no error (torch's checkpoint too). The recompute now saves the private
+    # copy and refuses a write to it after it was saved, as autograd does.
+    with pytest.raises(RuntimeError, match="one of the variables needed for gradient"):
+        _saved_then_written(_plain, view)
+    with pytest.raises(RuntimeError, match=r"hyper_parallel: a tensor the recompute of a "
+                                           r"checkpoint region saved for backward \(shape "
+                                           r"\[4\], torch.float64\).* was modified by an "
+                                           r"in-place operation of the region after it was "
+                                           r"saved"):
+        _saved_then_written(ckpt, view)
