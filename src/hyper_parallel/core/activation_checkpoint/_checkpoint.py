@@ -216,25 +216,45 @@ def _describer(function):
 # modes on full checkpoint"): target -> the module's training flag at that call (None for
 # a plain callable); _NEEDS_MODES once a forward wrote outside state or ran a collective.
 _PLAIN_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The same for a plain callable given one module as an argument (a shared helper such as
+# run_layer(layer, x)): module -> {callable -> training flag or _NEEDS_MODES}. What such a
+# call writes is the module's: the result is kept per module, not per callable.
+_PLAIN_BY_MODULE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _NEEDS_MODES = object()
 
 
-def _mode_key(function):
-    """The object a full-recompute region's probe result is kept for, or None."""
+def _probe_slot(function, args, kwargs):
+    """Where a full-recompute region's probe result is kept: ``(table, key, training)``,
+    or None (not kept: probed at every call).
+
+    The key is the target (a module, or a callable), except for a plain callable given
+    modules as arguments: the module's state is what it writes (tester, session 18: a
+    helper probed with a ``Linear`` then called with a module that updates a buffer ran
+    torch's frame alone, its recompute reading the updated buffer and updating it again),
+    so the result is kept per (module, callable); with several modules, not kept."""
     target = function.fn if isinstance(function, LayerCall) else function
     try:
         weakref.ref(target)
     except TypeError:
         return None
-    return target
+    if isinstance(target, nn.Module):
+        return _PLAIN_TARGETS, target, target.training
+    modules = [a for a in args if isinstance(a, nn.Module)]
+    if kwargs:
+        modules += [v for v in kwargs.values() if isinstance(v, nn.Module)]
+    if not modules:
+        return _PLAIN_TARGETS, target, None
+    if len(modules) > 1:
+        return None
+    module = modules[0]
+    table = _PLAIN_BY_MODULE.get(module)
+    if table is None:
+        table = _PLAIN_BY_MODULE[module] = weakref.WeakKeyDictionary()
+    return table, target, module.training
 
 
-def _training(target):
-    return target.training if isinstance(target, nn.Module) else None
-
-
-def _learn(key, training, needed: bool) -> None:
-    _PLAIN_TARGETS[key] = _NEEDS_MODES if needed else training
+def _learn(table, key, training, needed: bool) -> None:
+    table[key] = _NEEDS_MODES if needed else training
 
 
 def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=None,
@@ -427,20 +447,19 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         # runs without grad), so no swap group or region mode has anything to do.
         call, call_args = _region_call(function, args, kwargs)
         return torch_checkpoint.checkpoint(reentrant_call(call), *call_args, **ckpt_kwargs)
-    key = _mode_key(function) if policy is None else None
-    training = _training(key) if key is not None else None
+    slot = _probe_slot(function, args, kwargs) if policy is None else None
     report = None
     debug_region = debug or _debug_forced()
     if debug_region:
         pass  # torch's debug mode brings its own context_fn: a debug region runs without ours
-    elif key is not None and _PLAIN_TARGETS.get(key, _NEEDS_MODES) is training:
+    elif slot is not None and slot[0].get(slot[1], _NEEDS_MODES) is slot[2]:
         # A full-recompute region whose forward wrote no outside state and ran no
         # collective when it was probed (in this training mode): torch's frame alone.
         # Only the invocation's recompute state (is_recomputing(), exclusion regions,
         # recompute handles): two plain context managers, no dispatch mode.
         ckpt_kwargs["context_fn"] = state_context_fn(context_fn)
     else:
-        report = functools.partial(_learn, key, training) if key is not None else None
+        report = functools.partial(_learn, *slot) if slot is not None else None
         ckpt_kwargs["context_fn"] = region_context_fn(policy, context_fn,
                                                       allow_cache_entry_mutation,
                                                       _describer(function), report)

@@ -632,3 +632,48 @@ def test_an_outside_tensor_saved_then_written_by_the_region_is_a_clear_error(ckp
                                            r"in-place operation of the region after it was "
                                            r"saved"):
         _saved_then_written(ckpt, view)
+
+
+class _Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("step", torch.ones((), dtype=torch.float64))
+
+    def forward(self, x):
+        self.step += 1
+        return x.sin() * self.step
+
+
+def _run_layer(layer, x):
+    return layer(x)
+
+
+def test_a_helper_probed_with_one_module_is_probed_again_with_another():
+    # (tester, session 18) The probe's "writes no outside state" was kept per callable: a
+    # helper checkpointed with a Linear, then with a module that updates a buffer, ran
+    # torch's frame alone, whose recompute read the updated buffer and updated it again
+    # (step 3 instead of 2, wrong gradient). It is kept per (module argument, callable).
+    def helper(layer, x):
+        return _run_layer(layer, x)
+
+    def step(call, warm: bool):
+        torch.manual_seed(0)
+        lin, counter = nn.Linear(4, 4).double(), _Counter()
+        x = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+        if warm:
+            call(helper, lin, x).sum().backward()
+            x.grad = None
+        call(helper, counter, x).sum().backward()
+        return x.grad, counter.step.item()
+
+    ref, ref_step = step(lambda fn, *a: fn(*a), False)
+    for warm in (False, True):
+        got, got_step = step(checkpoint, warm)
+        assert torch.equal(got, ref) and got_step == ref_step == 2.0
+    lin, counter = nn.Linear(4, 4).double(), _Counter()
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    both = lambda a, b, t: b(a(t))  # noqa: E731 (one callable object for every call)
+    checkpoint(both, lin, lin, x).sum().backward()  # writes nothing
+    for calls in (1, 2):  # two module arguments: not kept, the modes at every call
+        checkpoint(both, lin, counter, x).sum().backward()
+        assert counter.step.item() == 1.0 + calls
