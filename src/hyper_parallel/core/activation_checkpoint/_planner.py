@@ -590,7 +590,11 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
         model: the model (``nn.Module``), e.g. a ``transformers`` model.
         step_fn: runs one forward and backward of the real step, e.g.
             ``lambda: model(input_ids=x, labels=x).loss.backward()``; no optimizer step.
-            Parameter gradients are restored afterwards.
+            The gradients it leaves are cleared and the ``.grad`` found before
+            planning is put back, on the parameters and on leaves outside the model
+            that its backward reaches (an input with ``requires_grad``). A step that
+            changes the weights (an optimizer step, ``p.data.add_``, a new parameter)
+            is refused after its first call.
         budget_bytes: the largest peak of saved-activation bytes on the device (as
             :func:`saved_activation_memory` counts them over the whole step); an int
             number of bytes, or a size string / fraction of "none"'s measured peak as

@@ -469,18 +469,90 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
     }
 
 
+# Integer dtypes of each element size: a parameter's bits summed exactly (_bits_sum).
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _plain_local(p):
+    """The plain tensor holding ``p``'s values on this rank (a DTensor's local shard), or
+    None for other tensor subclasses and meta tensors (not checked)."""
+    t = p.detach()
+    local = getattr(t, "_local_tensor", None)  # DTensor (FSDP2, tensor parallel)
+    if local is not None:
+        t = local
+    if type(t) is not torch.Tensor or t.is_meta:
+        return None
+    return t
+
+
+def _bits_sum(t):
+    """The sum, as int64 (wrapping), of ``t``'s elements read as integers of their size: a
+    0-d tensor on ``t``'s device, or None (no such view). Any change of one element changes
+    it; exact, no rounding, and no copy of the tensor (an integer sum of a view)."""
+    if t is None or t.numel() == 0:
+        return None
+    dtype = _INT_OF_SIZE.get(t.element_size())
+    if dtype is None:
+        return None
+    try:
+        return t.view(dtype).sum(dtype=torch.int64)
+    except Exception:  # noqa: BLE001 (a backend or dtype without it: not checked)
+        return None
+
+
+def _fingerprint(tensors) -> list:
+    """``_bits_sum`` of each of ``tensors`` (None where unavailable), read with one
+    device synchronization per device."""
+    sums = [_bits_sum(t) for t in tensors]
+    by_device: dict = {}
+    for i, v in enumerate(sums):
+        if v is not None:
+            by_device.setdefault(v.device, []).append(i)
+    out: list = [None] * len(sums)
+    for indices in by_device.values():
+        for i, value in zip(indices, torch.stack([sums[i] for i in indices]).tolist()):
+            out[i] = value
+    return out
+
+
+def _layout(t):
+    return None if t is None or t.numel() == 0 else (
+        t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
 class _ModelState:
     """What profiling must leave as it found it (issue 11 tester R1, R2, R7): every
     buffer's object and values (BatchNorm statistics move at every training step), the
     random number generators of the host and the model's device (dropout draws), and the
-    parameters, which a step must not change at all (their version counters are checked:
-    an in-place update, e.g. ``optimizer.step()`` in ``step_fn``, is refused; parameters
-    are not copied, so planning costs no second copy of the weights)."""
+    parameters, which a step must not change at all. Parameters are not copied (planning
+    costs no second copy of the weights); after each step they are checked:
+
+    * their version counters (an in-place update, ``optimizer.step()`` in ``step_fn``);
+    * the objects in the modules' parameter slots and the memory each holds (a new
+      ``nn.Parameter``, ``p.data = ...``): the originals are put back;
+    * the exact integer sum of each one's bits (``p.data.add_(...)``, which no version
+      counter sees: ``.data`` has a counter of its own).
+
+    Leaves outside the model that ``step_fn`` backpropagates into (an input with
+    ``requires_grad``, a loss head's weight held elsewhere) are found by the backward
+    calls' graphs (:class:`_OutsideLeaves`) and their ``.grad`` is left as found too.
+    Plain tensors and DTensors' local shards are checked; other tensor subclasses only by
+    their version counters."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter],
                  device: torch.device) -> None:
         self.params = params
         self.versions = [p._version for p in params]
+        self.slots = [(f"{prefix}.{name}" if prefix else name, m, name, p)
+                      for prefix, m in model.named_modules()
+                      for name, p in m._parameters.items() if p is not None]
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(params)]
+        # aliases of each parameter's memory (no copy): `p.data = ...` is undone with them
+        self.aliases = [_plain_local(p) for p in params]
+        self.layouts = [_layout(t) for t in self.aliases]
+        self.sums = _fingerprint(self.aliases)
+        self.outside = _OutsideLeaves({id(p) for p in params})
         self.buffers = [(m, name, b, b.detach().clone())
                         for m in model.modules()
                         for name, b in m._buffers.items() if b is not None]
@@ -495,6 +567,14 @@ class _ModelState:
                 self.device_rng = None
 
     def check_parameters(self) -> None:
+        """After a step: refuses a step that changed the parameters, and clears the
+        gradients it left on leaves outside the model.
+
+        Raises:
+            RuntimeError: ``step_fn`` changed a parameter (in place, through ``.data``, or
+                by replacing it); replaced ones are put back by :meth:`restore`.
+        """
+        self.outside.clear_grads()
         for p, v in zip(self.params, self.versions):
             if p._version != v:
                 raise RuntimeError(
@@ -504,15 +584,121 @@ class _ModelState:
                     "step_fn several times to profile it and must leave the weights as they "
                     "are: pass a step that only runs the forward and backward, e.g. lambda: "
                     "model(**batch).loss.backward(), and step the optimizer outside.")
+        replaced = [path for path, m, name, p in self.slots
+                    if m._parameters.get(name) is not p]
+        for name, p, alias, layout in zip(self.names, self.params, self.aliases,
+                                          self.layouts):
+            if alias is not None and layout is not None and \
+                    _layout(_plain_local(p)) not in (layout, None):
+                replaced.append(f"{name}.data")
+        if replaced:
+            raise RuntimeError(
+                "hyper_parallel: step_fn replaced parameters of the model (a new "
+                "nn.Parameter in a module, or p.data = ...: "
+                f"{', '.join(replaced[:4])}{', ...' if len(replaced) > 4 else ''}); the "
+                "original ones are put back. plan_activation_memory runs step_fn several "
+                "times and must leave the weights as they are: pass a step that only runs "
+                "the forward and backward, e.g. lambda: model(**batch).loss.backward(), and "
+                "update the weights outside.")
+        now = _fingerprint([_plain_local(p) for p in self.params])
+        if any(a is not None and b is not None and a != b for a, b in zip(self.sums, now)):
+            raise RuntimeError(
+                "hyper_parallel: step_fn changed the values of the model's parameters "
+                "(through p.data, which no version counter sees: a manual SGD step such as "
+                "p.data.add_(-lr * p.grad)?); that update is not undone (no copy of the "
+                "weights is kept). plan_activation_memory runs step_fn several times and "
+                "must leave the weights as they are: pass a step that only runs the forward "
+                "and backward, e.g. lambda: model(**batch).loss.backward(), and update the "
+                "weights outside.")
 
     def restore(self) -> None:
         with torch.no_grad():
             for module, name, original, saved in self.buffers:
                 original.copy_(saved)  # values changed in place (running statistics)
                 module._buffers[name] = original  # or the buffer was reassigned
+            for _, module, name, p in self.slots:
+                if module._parameters.get(name) is not p:
+                    module._parameters[name] = p
+            for p, alias, layout in zip(self.params, self.aliases, self.layouts):
+                if alias is not None and layout is not None and type(p.detach()) is \
+                        torch.Tensor and _layout(_plain_local(p)) != layout:
+                    p.data = alias
+        self.outside.restore()
         torch.set_rng_state(self.cpu_rng)
         if self.device_rng is not None:
             getattr(torch, self.device.type).set_rng_state(self.device_rng, self.device)
+
+
+class _OutsideLeaves:
+    """Leaves outside the model that the profiled steps' backward calls accumulate
+    gradients into (tester, session 18: an input with ``requires_grad`` or a weight held
+    outside the model was left with the sum of every profiling step's gradient, which the
+    first training step would then add to): found by walking each ``backward()``'s graph
+    from its roots to the ``AccumulateGrad`` nodes (``torch.autograd.backward`` wrapped
+    while :meth:`watching`, for this thread only); each one's ``.grad`` is set aside before
+    its first profiled backward and put back by :meth:`restore`."""
+
+    __slots__ = ("_own", "_saved")
+
+    def __init__(self, own_ids: set) -> None:
+        self._own = own_ids
+        self._saved: dict = {}  # id -> (leaf, its .grad before profiling)
+
+    @contextlib.contextmanager
+    def watching(self):
+        import threading
+
+        original = torch.autograd.backward
+        thread = threading.get_ident()
+
+        def backward(tensors, *args, **kwargs):
+            if threading.get_ident() == thread:
+                self._note(tensors)
+            return original(tensors, *args, **kwargs)
+
+        torch.autograd.backward = backward
+        try:
+            yield
+        finally:
+            torch.autograd.backward = original
+
+    def _note(self, tensors) -> None:
+        roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
+        stack, seen = [], set()
+        for t in roots:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.grad_fn is not None:
+                stack.append(t.grad_fn)
+            elif t.requires_grad:
+                self._add(t)
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            leaf = getattr(node, "variable", None)
+            if isinstance(leaf, torch.Tensor):
+                self._add(leaf)
+            for nxt, _ in node.next_functions:
+                if nxt is not None and nxt not in seen:
+                    stack.append(nxt)
+
+    def _add(self, leaf) -> None:
+        key = id(leaf)
+        if key in self._own or key in self._saved:
+            return
+        self._saved[key] = (leaf, leaf.grad)
+        leaf.grad = None
+
+    def clear_grads(self) -> None:
+        for leaf, _ in self._saved.values():
+            leaf.grad = None
+
+    def restore(self) -> None:
+        for leaf, grad in self._saved.values():
+            leaf.grad = grad
+        self._saved.clear()
 
 
 def _check_warmup(run: dict, layer_names: list[str]) -> None:
@@ -916,7 +1102,8 @@ def _left_as_found(model: nn.Module, params: list[nn.Parameter], device: torch.d
         window = _C.offload_window()
         _C.set_offload_window(0)
         try:
-            yield state
+            with state.outside.watching():
+                yield state
         finally:
             remove_activation_memory(model)  # first: it restores what its apply replaced
             _C.set_offload_window(window)

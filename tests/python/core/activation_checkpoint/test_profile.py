@@ -164,6 +164,74 @@ def test_a_step_that_updates_the_weights_is_refused_and_nothing_changes():
     assert all(type(layer) is _BnBlock for layer in model.layers)
 
 
+def _sgd_through_data(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.add_(-0.1 * p.grad)
+
+
+def _assign_data(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data - 0.1 * p.grad
+
+
+def _new_parameter(model):
+    model.layers[1].fc.weight = nn.Parameter(model.layers[1].fc.weight.detach() - 0.1)
+
+
+@pytest.mark.parametrize("update, message", [
+    (_sgd_through_data, "step_fn changed the values of the model's parameters \\(through "
+                        "p.data"),
+    (_assign_data, "step_fn replaced parameters of the model .*layers.0.fc.weight.data"),
+    (_new_parameter, "step_fn replaced parameters of the model .*: layers.1.fc.weight\\)"),
+], ids=["data_add_", "data_assign", "new_parameter"])
+def test_a_step_that_updates_the_weights_behind_autograd_is_refused(update, message):
+    # (tester, session 18) p.data.add_ (no version counter sees it), p.data = ... and a new
+    # nn.Parameter were not refused: planning ran the step about 20 times and the weights
+    # drifted by 0.2. All are refused after the first step; replaced parameters are put
+    # back (an update in place through .data is not undone: no copy of the weights is kept).
+    torch.manual_seed(0)
+    model = _BnStack()
+    x = torch.randn(8, 16)
+    before = _state(model)
+    params = list(model.parameters())
+
+    def step():
+        model(x).sum().backward()
+        update(model)
+
+    with pytest.raises(RuntimeError, match="hyper_parallel: " + message):
+        plan_activation_memory(model, step, 0.5, candidates=["none", "checkpoint"])
+    assert list(model.parameters()) == params and all(
+        type(p) is nn.Parameter for p in model.parameters())
+    weights = [k for k in before if k.endswith(("weight", "bias"))]
+    moved = [k for k in weights if not torch.equal(_state(model)[k], before[k])]
+    if update is _sgd_through_data:
+        assert moved  # the one step that ran moved them, as the message says
+    else:
+        assert not moved
+
+
+def test_leaves_outside_the_model_keep_their_gradients():
+    # (tester, session 18) The model's .grad were restored, but an input with
+    # requires_grad and a weight held outside the model kept the sum of every profiling
+    # step's gradient (21 of them), which the first training step would add to.
+    torch.manual_seed(0)
+    model = _BnStack()
+    x = torch.randn(8, 16, requires_grad=True)
+    scale = torch.ones(16, requires_grad=True)
+    scale.grad = torch.full((16,), 7.0)
+    model.layers[0].fc.weight.grad = torch.ones(16, 16)
+    grads = [p.grad for p in model.parameters()]
+    plan_activation_memory(model, lambda: (model(x) * scale).sum().backward(), 0.5,
+                           candidates=["none", "checkpoint"])
+    assert x.grad is None
+    assert torch.equal(scale.grad, torch.full((16,), 7.0))
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert torch.equal(model.layers[0].fc.weight.grad, torch.ones(16, 16))
+
+
 @pytest.mark.parametrize("step, message", [
     (lambda m, x: m(x).sum(), "no backward"),
     (lambda m, x: None, "ran none of the layers"),
