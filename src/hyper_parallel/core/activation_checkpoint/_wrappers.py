@@ -180,10 +180,17 @@ class ActivationWrapper(nn.Module):
         # `wrapper.flag = v` behave as on the unwrapped module: its forward sees them and
         # state_dict keys stay unique. New names are set on the wrapper.
         inner = self._hp_forwards(name)
-        if inner is not None:
-            setattr(inner, name, value)
-        else:
+        if inner is None:
             super().__setattr__(name, value)
+        elif (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+              and name in inner._parameters):
+            # A plain tensor into the wrapped module's parameter slot: what
+            # torch.func.functional_call (torch.nn.utils.stateless) does to the module that
+            # owns the slot; it reaches the wrapper because the wrapper hides its child's
+            # name (tester, session 18: nn.Module.__setattr__ refused it, TypeError).
+            inner._parameters[name] = value
+        else:
+            setattr(inner, name, value)
 
     def __delattr__(self, name):
         inner = self._hp_forwards(name)

@@ -387,8 +387,22 @@ def test_must_swap_mode_offloads_in_each_case(host_swap):
 
 # ------------------------------------------------- parameters swapped in for the forward only
 
-def _stack():
+class _ScaledBlock(nn.Module):
+    """A block that owns a parameter directly (not only through its children)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) * self.scale
+
+
+def _stack(direct: bool = False):
     torch.manual_seed(0)
+    if direct:
+        return nn.Sequential(*[_ScaledBlock() for _ in range(3)])
     return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
                            for _ in range(3)])
 
@@ -399,16 +413,18 @@ def _functional_call_grads(model, params, x):
     return [p[k].grad for k in p], [q.grad for q in model.parameters()]
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["children", "own_parameter"])
 @pytest.mark.parametrize("plan", ["checkpoint", "selective", "mixed", "selective_swap",
                                   "checkpoint_swap", "swap"])
-def test_functional_call_parameters_are_the_ones_recompute_reads(plan, host_swap):
+def test_functional_call_parameters_are_the_ones_recompute_reads(plan, direct, host_swap):
     """torch.func.functional_call puts its parameters into the module for the forward only;
     torch's checkpoint recomputed with the module's own and the call's parameters got
     silently wrong gradients (documented as a limit until a recompute put back what the
-    forward read)."""
+    forward read). A wrapped block that owns a parameter itself (tester, session 18): the
+    call's tensor reached the wrapper, whose forwarding to the block raised TypeError."""
     from hyper_parallel.core.activation_checkpoint import apply_activation_memory
 
-    model = _stack()
+    model = _stack(direct)
     x = torch.randn(4, 8)
     params = {k: (v.detach() * 2) for k, v in model.named_parameters()}
     want = _functional_call_grads(model, params, x)
