@@ -109,18 +109,35 @@ void ExternalReads::before_write(const at::Tensor& t) {
       // Through itself, or a view of it the region made (the recompute makes it again from
       // u's copy), the recompute replays the write on u's copy; through another tensor
       // (its base, an outside view) it does not: end_forward() checks the value.
-      rec.by_other = !u.is_same(t) && !(t.is_view() && t._base().is_same(u) &&
-                                        produced_.count(t.unsafeGetTensorImpl()) > 0);
+      const c10::TensorImpl* ti = t.unsafeGetTensorImpl();
+      const auto alias = alias_of_.find(ti);
+      rec.by_other = !u.is_same(t) &&
+                     !(produced_.count(ti) > 0 &&
+                       ((t.is_view() && t._base().is_same(u)) ||
+                        (alias != alias_of_.end() && alias->second == impl)));
     } else {
       rec.snap = Snap::kLost;  // written before, by an op that did not declare it
     }
   }
 }
 
-void ExternalReads::forward_outputs(c10::ArrayRef<c10::IValue> outputs) {
+void ExternalReads::forward_outputs(c10::ArrayRef<c10::IValue> outputs,
+                                    const at::Tensor* source) {
   if (forward_over_) return;
+  const c10::TensorImpl* root = nullptr;
+  if (source != nullptr && source->defined()) {
+    const c10::TensorImpl* s = source->unsafeGetTensorImpl();
+    if (find(*source) != nullptr) {
+      root = s;
+    } else if (const auto it = alias_of_.find(s); it != alias_of_.end()) {
+      root = it->second;
+    }
+  }
   for (const auto& v : outputs) {
-    for_tensors(v, [&](const at::Tensor& t) { produced_.insert(t.unsafeGetTensorImpl()); });
+    for_tensors(v, [&](const at::Tensor& t) {
+      produced_.insert(t.unsafeGetTensorImpl());
+      if (root != nullptr) alias_of_[t.unsafeGetTensorImpl()] = root;
+    });
   }
 }
 
@@ -128,6 +145,7 @@ void ExternalReads::end_forward() {
   forward_over_ = true;
   produced_.clear();  // only needed to tell external tensors apart
   produced_.rehash(0);
+  alias_of_.clear();
   for (auto& [impl, rec] : reads_) {
     if (rec.snap == Snap::kValue && rec.by_other) {
       auto p = rec.ref.lock();

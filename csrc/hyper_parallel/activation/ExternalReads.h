@@ -54,8 +54,12 @@ class ExternalReads {
   // `writes` are about to write.
   void forward_inputs(int64_t op_key, c10::ArrayRef<c10::IValue> args,
                       const std::vector<int>& writes);
-  // After the op ran: its outputs are the region's own tensors.
-  void forward_outputs(c10::ArrayRef<c10::IValue> outputs);
+  // After the op ran: its outputs are the region's own tensors. `source`: for a view op,
+  // the argument they view (or alias: detach). A view the region made of an external
+  // tensor, directly or through such views, counts as that tensor for a write (its
+  // recompute makes the view again from the tensor's copy, so the write is replayed
+  // there): nn.Embedding(max_norm=...) renormalizes weight.detach() in place.
+  void forward_outputs(c10::ArrayRef<c10::IValue> outputs, const at::Tensor* source = nullptr);
   // The forward is over. An external tensor whose version moved although no op declared a
   // write to it was written by an op that does not say so (its value is unknown).
   void end_forward();
@@ -129,6 +133,8 @@ class ExternalReads {
   // own temporaries in place paid reads x writes).
   std::unordered_map<const c10::StorageImpl*, std::vector<const c10::TensorImpl*>> by_storage_;
   std::unordered_set<const c10::TensorImpl*> produced_;
+  // Views the region made of external tensors -> the external tensor (forward only).
+  std::unordered_map<const c10::TensorImpl*, const c10::TensorImpl*> alias_of_;
   bool forward_over_ = false;
   std::unordered_map<const c10::TensorImpl*, at::Tensor> shadows_;
 };

@@ -322,10 +322,21 @@ void SacRegion::forward(const c10::OperatorHandle& op, const OpFacts& facts,
   const uint64_t inputs = facts.kind == OpKind::kPlain && !weight_cast && !is_recompute(policy)
                               ? SacCache::input_signature(torch::jit::last(*stack, nargs))
                               : 0;
+  // A view op's first argument (what its outputs view, for ExternalReads' writes).
+  at::Tensor viewed;
+  if (facts.kind == OpKind::kIgnored && nargs > 0 && !schema.returns().empty()) {
+    const auto* out_alias = schema.returns()[0].alias_info();
+    const auto* in_alias = schema.arguments()[0].alias_info();
+    const c10::IValue& first = torch::jit::peek(*stack, 0, nargs);
+    if (out_alias != nullptr && !out_alias->isWrite() && in_alias != nullptr &&
+        !in_alias->isWrite() && first.isTensor()) {
+      viewed = first.toTensor();
+    }
+  }
   run_next(op, ks, stack, level);
   if (rng && !rng->after()) rng.reset();
   const auto outs = torch::jit::last(*stack, schema.returns().size());
-  external_.forward_outputs(outs);
+  external_.forward_outputs(outs, viewed.defined() ? &viewed : nullptr);
   cache_->watch(outs);
   if (facts.kind != OpKind::kPlain || weight_cast) return;
   if (is_recompute(policy)) {

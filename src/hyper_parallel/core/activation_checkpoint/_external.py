@@ -115,7 +115,7 @@ class ExternalTensors:
             messages (e.g. ``"buffer 'bn.running_mean'"``), or ``None``.
     """
 
-    __slots__ = ("_reads", "_produced", "_shadows", "_describe", "_by_storage")
+    __slots__ = ("_reads", "_produced", "_shadows", "_describe", "_by_storage", "_alias_of")
 
     def __init__(self, describe=None) -> None:
         self._reads: dict = {}
@@ -123,6 +123,9 @@ class ExternalTensors:
         # every read (reads x writes in a region reading thousands of outside tensors)
         self._by_storage: dict = {}
         self._produced: set | None = set()
+        # views (and aliases: detach) the region made of an external tensor, directly or
+        # through other such views: id -> the external tensor's id
+        self._alias_of: dict = {}
         self._shadows: dict = {}
         self._describe = describe
 
@@ -169,24 +172,38 @@ class ExternalTensors:
             # Through itself, or a view of it the region made (the recompute makes it again
             # from u's copy), the recompute replays the write on u's copy; through another
             # tensor (its base, an outside view) it does not: end_forward checks the value.
-            rec.by_other = u is not t and not (t._base is u and id(t) in self._produced)
+            rec.by_other = u is not t and not (
+                id(t) in self._produced
+                and (t._base is u or self._alias_of.get(id(t)) == id(u)))
 
-    def forward_outputs(self, out) -> None:
-        """After an op of the forward ran: its outputs are the region's own tensors."""
+    def forward_outputs(self, out, source=None) -> None:
+        """After an op of the forward ran: its outputs are the region's own tensors.
+        ``source``: the argument they are views (or aliases) of, for a view op: a view
+        of an external tensor (``weight.detach()``, then written in place by
+        ``nn.Embedding(max_norm=...)``'s renorm) is that tensor for a write, which the
+        recompute replays on its copy (tester, session 18: such a write counted as one
+        through another tensor, and a valid region raised)."""
         produced = self._produced
         if produced is None:
             return
-        if isinstance(out, _Tensor):
-            produced.add(id(out))
-        elif isinstance(out, (list, tuple)):
-            for t in iter_tensors(out):
-                produced.add(id(t))
+        outs = [out] if isinstance(out, _Tensor) else (
+            list(iter_tensors(out)) if isinstance(out, (list, tuple)) else [])
+        for t in outs:
+            produced.add(id(t))
+        if source is not None and isinstance(source, _Tensor):
+            key = id(source)
+            rec = self._reads.get(key)
+            root = key if rec is not None and rec.ref() is source else self._alias_of.get(key)
+            if root is not None:
+                for t in outs:
+                    self._alias_of[id(t)] = root
 
     def end_forward(self) -> None:
         """The forward is over. An external tensor whose version moved although no op of
         the forward declared a write to it was written by an op that does not say so in
         its schema (a custom kernel): the value forward read is unknown."""
         self._produced = None  # the ids were only needed to tell external tensors apart
+        self._alias_of = {}
         for rec in self._reads.values():
             if rec.by_other and isinstance(rec.snapshot, _Tensor):
                 t = rec.ref()

@@ -98,10 +98,10 @@ _TO_COPY = torch.ops.aten._to_copy.default
 
 
 class _OpInfo:
-    __slots__ = ("key", "name", "kind", "writes", "seeded")
+    __slots__ = ("key", "name", "kind", "writes", "seeded", "view")
 
     def __init__(self, key: int, name: str, kind: int, writes: tuple,
-                 seeded: bool = False) -> None:
+                 seeded: bool = False, view: bool = False) -> None:
         self.key = key  # -1: never cached (see module docstring)
         self.name = name
         self.kind = kind
@@ -109,6 +109,7 @@ class _OpInfo:
         # ones (out=, or max.dim_max's max= and max_values=)
         self.writes = writes
         self.seeded = seeded  # a random op: cached with its RngStep (module docstring)
+        self.view = view  # returns a view (or alias) of its first argument
 
 
 _OP_INFO: dict = {}
@@ -179,7 +180,8 @@ def _op_info(func) -> _OpInfo:
             info = _OpInfo(int(_C.intern_op(name)), name, _PLAIN, (),
                            torch.Tag.nondeterministic_seeded in func.tags)
         else:
-            info = _OpInfo(-1, name, _IGNORED, _written_args(func))
+            info = _OpInfo(-1, name, _IGNORED, _written_args(func),
+                           view=isinstance(func, OpOverload) and func.is_view)
         _OP_INFO[func] = info
     return info
 
@@ -447,7 +449,7 @@ class _CachingMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         if rng is not None and rng is not _NO_GENERATOR and not rng.after():
             rng = None  # the op left its generator where it was
-        st.external.forward_outputs(out)
+        st.external.forward_outputs(out, args[0] if info.view and args else None)
         if st.cache is not None:
             st.cache.watch(out)
         kind = info.kind

@@ -650,7 +650,7 @@ def test_an_outside_tensor_saved_then_written_by_the_region_is_a_clear_error(ckp
         _saved_then_written(ckpt, view)
 
 
-class _Counter(nn.Module):
+class _CountingScale(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("step", torch.ones((), dtype=torch.float64))
@@ -674,7 +674,7 @@ def test_a_helper_probed_with_one_module_is_probed_again_with_another():
 
     def step(call, warm: bool):
         torch.manual_seed(0)
-        lin, counter = nn.Linear(4, 4).double(), _Counter()
+        lin, counter = nn.Linear(4, 4).double(), _CountingScale()
         x = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
         if warm:
             call(helper, lin, x).sum().backward()
@@ -686,10 +686,43 @@ def test_a_helper_probed_with_one_module_is_probed_again_with_another():
     for warm in (False, True):
         got, got_step = step(checkpoint, warm)
         assert torch.equal(got, ref) and got_step == ref_step == 2.0
-    lin, counter = nn.Linear(4, 4).double(), _Counter()
+    lin, counter = nn.Linear(4, 4).double(), _CountingScale()
     x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
     both = lambda a, b, t: b(a(t))  # noqa: E731 (one callable object for every call)
     checkpoint(both, lin, lin, x).sum().backward()  # writes nothing
     for calls in (1, 2):  # two module arguments: not kept, the modes at every call
         checkpoint(both, lin, counter, x).sum().backward()
         assert counter.step.item() == 1.0 + calls
+
+
+def _embedding_with_max_norm(call):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 8, max_norm=1.0), nn.Linear(8, 8))
+    ids = torch.tensor([[1, 2, 1, 5], [0, 9, 2, 2]])
+    call(model, ids).pow(2).sum().backward()
+    return [p.grad for p in model.parameters()] + [model[0].weight.detach()]
+
+
+def test_an_outside_tensor_written_through_an_alias_the_region_made_is_replayed(ckpt):
+    # (tester, session 18) nn.Embedding(max_norm=...) renormalizes weight.detach() in
+    # place: a write through a tensor other than the one read counted as one through
+    # another tensor of the same memory, and backward raised on valid code (torch's
+    # checkpoint and plain autograd train). An alias or view the region made of it (at any
+    # depth) is now that tensor for the write, which the recompute replays on its copy.
+    got, ref = _embedding_with_max_norm(ckpt), _embedding_with_max_norm(_plain)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+    def through_a_view_of_an_alias(call):
+        torch.manual_seed(0)
+        buf = torch.randn(4, dtype=torch.float64)
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+        def f(a):
+            buf.detach()[:2].mul_(2.0)  # written through a view of an alias of buf
+            return (a * buf).sin()  # read (and saved) after the write
+
+        call(f, x).sum().backward()
+        return x.grad, buf
+
+    got, ref = through_a_view_of_an_alias(ckpt), through_a_view_of_an_alias(_plain)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
