@@ -212,23 +212,79 @@ def _describer(function):
     return describe
 
 
+class _WeakIdMap:
+    """A map keyed by object identity, holding its keys weakly (a WeakKeyDictionary keys
+    by ``==`` and ``hash``: a module defining ``__eq__`` is unhashable, and two that
+    compare equal would share an entry). Keys must support weak references."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        self._items: dict = {}  # id -> (weakref to the key, value)
+
+    def get(self, key, default=None):
+        item = self._items.get(id(key))
+        return item[1] if item is not None and item[0]() is key else default
+
+    def __setitem__(self, key, value) -> None:
+        items, k = self._items, id(key)
+
+        def forget(_ref, k=k, items=items):
+            item = items.get(k)
+            if item is not None and item[0] is _ref:
+                del items[k]
+
+        item = items.get(k)
+        ref = item[0] if item is not None and item[0]() is key else weakref.ref(key, forget)
+        items[k] = (ref, value)
+
+
 # Full-recompute regions whose forward needed no region modes (docs/design.md, "Region
 # modes on full checkpoint"): target -> the module's training flag at that call (None for
 # a plain callable); _NEEDS_MODES once a forward wrote outside state or ran a collective.
-_PLAIN_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# The same for a plain callable given one module as an argument (a shared helper such as
-# run_layer(layer, x)): module -> {callable -> training flag or _NEEDS_MODES}. What such a
-# call writes is the module's: the result is kept per module, not per callable.
-_PLAIN_BY_MODULE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLAIN_TARGETS = _WeakIdMap()
+# The same for a plain callable given one module among its arguments (a shared helper
+# such as run_layer(layer, x)): module -> {callable -> training flag or _NEEDS_MODES}. What
+# such a call writes is the module's state: the result is kept per module, not per callable.
+_PLAIN_BY_MODULE = _WeakIdMap()
 _NEEDS_MODES = object()
+# How deep _argument_modules looks into containers and partials among the arguments.
+_ARGUMENT_DEPTH = 3
+
+
+def _argument_modules(values, found: dict, depth: int = _ARGUMENT_DEPTH) -> bool:
+    """Adds to ``found`` (id -> module) the modules among ``values``: modules, the modules
+    of bound methods, of ``functools.partial`` objects and inside lists, tuples and dicts,
+    ``depth`` levels deep. False when a container was too deep to look through (the result
+    is then not kept)."""
+    for v in values:
+        if isinstance(v, nn.Module):
+            found[id(v)] = v
+        elif isinstance(v, (torch.Tensor, str, bytes, int, float, bool, type(None))):
+            continue
+        elif isinstance(getattr(v, "__self__", None), nn.Module):  # m.forward, m.__call__
+            found[id(v.__self__)] = v.__self__
+        elif isinstance(v, (list, tuple, dict, functools.partial)):
+            if depth == 0:
+                return False
+            if isinstance(v, dict):
+                inner = v.values()
+            elif isinstance(v, functools.partial):
+                inner = (v.func, *v.args, *v.keywords.values())
+            else:
+                inner = v
+            if not _argument_modules(inner, found, depth - 1):
+                return False
+    return True
 
 
 def _probe_slot(function, args, kwargs):
     """Where a full-recompute region's probe result is kept: ``(table, key, training)``,
     or None (not kept: probed at every call).
 
-    The key is the target (a module, or a callable), except for a plain callable given
-    modules as arguments: the module's state is what it writes (tester, session 18: a
+    The key is the target (a module, or a callable), except for a plain callable given a
+    module among its arguments (directly, in a list, tuple or dict, as a bound method or
+    in a partial): that module's state is what the call writes (tester, session 18: a
     helper probed with a ``Linear`` then called with a module that updates a buffer ran
     torch's frame alone, its recompute reading the updated buffer and updating it again),
     so the result is kept per (module, callable); with several modules, not kept."""
@@ -239,17 +295,19 @@ def _probe_slot(function, args, kwargs):
         return None
     if isinstance(target, nn.Module):
         return _PLAIN_TARGETS, target, target.training
-    modules = [a for a in args if isinstance(a, nn.Module)]
-    if kwargs:
-        modules += [v for v in kwargs.values() if isinstance(v, nn.Module)]
-    if not modules:
-        return _PLAIN_TARGETS, target, None
-    if len(modules) > 1:
+    found: dict = {}
+    if not _argument_modules(args, found) or (
+            kwargs and not _argument_modules(kwargs.values(), found)):
         return None
-    module = modules[0]
+    if not found:
+        return _PLAIN_TARGETS, target, None
+    if len(found) > 1:
+        return None
+    (module,) = found.values()
     table = _PLAIN_BY_MODULE.get(module)
     if table is None:
-        table = _PLAIN_BY_MODULE[module] = weakref.WeakKeyDictionary()
+        table = _WeakIdMap()
+        _PLAIN_BY_MODULE[module] = table
     return table, target, module.training
 
 

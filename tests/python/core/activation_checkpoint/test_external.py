@@ -9,6 +9,8 @@ checkpoint, for full recompute, a selective policy and MUST_SWAP in the same reg
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import gc
 import weakref
 
@@ -726,3 +728,68 @@ def test_an_outside_tensor_written_through_an_alias_the_region_made_is_replayed(
 
     got, ref = through_a_view_of_an_alias(ckpt), through_a_view_of_an_alias(_plain)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@dataclasses.dataclass(eq=True)
+class _EqScale(nn.Module):
+    """A module that defines __eq__ (a dataclass): unhashable, and equal to its twin."""
+
+    size: int = 4
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        self.register_buffer("step", torch.ones((), dtype=torch.float64))
+
+    def forward(self, x):
+        self.step += 1
+        return x.sin() * self.step
+
+
+@pytest.mark.parametrize("how", ["list", "tuple", "dict", "bound_method", "partial",
+                                 "kwarg_list", "unhashable"])
+def test_a_helper_keeps_a_probe_per_module_wherever_the_argument_holds_it(how):
+    # (tester 3, session 18) The module reached the helper inside a list, tuple or dict,
+    # or as a bound method: the probe was still kept per callable, and the counter's
+    # buffer was updated twice (wrong gradient, off by 0.996). A module defining __eq__
+    # (unhashable) made checkpoint raise TypeError; two equal ones shared one entry.
+    def helper(arg=None, x=None, *, mods=None):
+        if how == "dict":
+            return arg["m"](x)
+        if how in ("list", "tuple"):
+            return arg[0](x)
+        if how == "kwarg_list":
+            return mods[0](x)
+        return arg(x)
+
+    def wrap(m):
+        if how == "list":
+            return [m]
+        if how == "tuple":
+            return (m,)
+        if how == "dict":
+            return {"m": m}
+        if how == "bound_method":
+            return m.forward
+        if how == "partial":
+            return functools.partial(m)
+        return m
+
+    def step(call, warm: bool):
+        torch.manual_seed(0)
+        first = _EqScale() if how == "unhashable" else nn.Linear(4, 4).double()
+        if how == "unhashable":
+            first.step.fill_(-1.0)  # (a step that writes too: probed per module all the same)
+        counter = _EqScale() if how == "unhashable" else _CountingScale()
+        x = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+        for m in ([first] if warm else []) + [counter]:
+            if how == "kwarg_list":
+                call(helper, None, x, mods=[m]).sum().backward()
+            else:
+                call(helper, wrap(m), x).sum().backward()
+            grad, x.grad = x.grad, None
+        return grad, counter.step.item()
+
+    ref, ref_step = step(lambda fn, *a, **k: fn(*a, **k), False)
+    for warm in (False, True):
+        got, got_step = step(checkpoint, warm)
+        assert torch.equal(got, ref) and got_step == ref_step == 2.0
