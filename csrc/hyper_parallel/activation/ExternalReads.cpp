@@ -6,6 +6,7 @@
 #include "hyper_parallel/common/Macros.h"
 
 #include <ATen/ops/view_as_real.h>
+#include <ATen/core/function_schema.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -77,17 +78,23 @@ void ExternalReads::note(const at::Tensor& t, int64_t op_key) {
 }
 
 void ExternalReads::forward_inputs(int64_t op_key, c10::ArrayRef<c10::IValue> args,
-                                   const std::vector<int>& writes) {
+                                   const std::vector<int>& writes,
+                                   const c10::FunctionSchema* schema) {
   if (forward_over_) return;
   for (const auto& v : args) for_tensors(v, [&](const at::Tensor& t) { note(t, op_key); });
   for (int i : writes) {
     if (i >= 0 && static_cast<size_t>(i) < args.size()) {
-      for_tensors(args[i], [&](const at::Tensor& t) { before_write(t); });
+      bool declared = true;
+      if (schema != nullptr && static_cast<size_t>(i) < schema->arguments().size()) {
+        const auto* alias = schema->arguments()[static_cast<size_t>(i)].alias_info();
+        declared = alias != nullptr && alias->isWrite();
+      }
+      for_tensors(args[i], [&](const at::Tensor& t) { before_write(t, declared); });
     }
   }
 }
 
-void ExternalReads::before_write(const at::Tensor& t) {
+void ExternalReads::before_write(const at::Tensor& t, bool declared) {
   // Every external tensor in the written storage: the one written, its base, other views
   // of that base (their values forward read are kept, whatever part the write touches).
   if (!t.has_storage()) return;
@@ -98,7 +105,9 @@ void ExternalReads::before_write(const at::Tensor& t) {
     const auto it = reads_.find(impl);
     if (it == reads_.end()) continue;
     Read& rec = it->second;
-    if (rec.snap != Snap::kNone || rec.storage != storage) continue;
+    if (rec.storage != storage) continue;
+    if (declared) rec.declared = true;
+    if (rec.snap != Snap::kNone) continue;
     auto p = rec.ref.lock();
     if (!p) continue;
     const at::Tensor u(std::move(p));
@@ -246,7 +255,9 @@ ExternalReads::Save ExternalReads::recompute_save(const at::Tensor& t) {
   Save out{t, false};
   if (!t.defined() || reads_.empty()) return out;
   Read* rec = find(t);
-  if (rec != nullptr && rec->snap == Snap::kValue) {
+  // (written only by the batch norms' undeclared writes: saved as itself, as plain autograd
+  // saves it; a later such write, which bumps no version, would change a copy saved instead)
+  if (rec != nullptr && rec->snap == Snap::kValue && rec->declared) {
     auto it = shadows_.find(t.unsafeGetTensorImpl());
     if (it == shadows_.end()) {
       it = shadows_.emplace(t.unsafeGetTensorImpl(), copy_of(rec->snapshot)).first;

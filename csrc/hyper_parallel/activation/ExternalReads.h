@@ -52,8 +52,11 @@ class ExternalReads {
   // Before op `op_key` (OpNames) runs with arguments `args` (boxed, schema order): notes
   // external inputs and copies each external tensor that the arguments at schema positions
   // `writes` are about to write.
+  // `schema`: the op's, to tell writes it declares (Tensor(a!): autograd bumps the
+  // version) from the batch norms' writes of their running statistics; null: all declared.
   void forward_inputs(int64_t op_key, c10::ArrayRef<c10::IValue> args,
-                      const std::vector<int>& writes);
+                      const std::vector<int>& writes,
+                      const c10::FunctionSchema* schema = nullptr);
   // After the op ran: its outputs are the region's own tensors. `source`: for a view op,
   // the argument they view (or alias: detach). A view the region made of an external
   // tensor, directly or through such views, counts as that tensor for a write (its
@@ -112,11 +115,14 @@ class ExternalReads {
     Snap snap = Snap::kNone;
     at::Tensor snapshot;  // kValue: the value forward read, kept before its first write
     bool by_other = false;  // kept for a write through another tensor of its storage
+    // Written by an op that declares the write, not only by the batch norms' undeclared
+    // writes of their running statistics (recompute_save() saves those as themselves).
+    bool declared = false;
     int64_t op_key = -1;  // the op that read it first
   };
 
   void note(const at::Tensor& t, int64_t op_key);
-  void before_write(const at::Tensor& t);
+  void before_write(const at::Tensor& t, bool declared);
   Read* find(const at::Tensor& t);
   // `t` as the recompute must read it (itself, or the private copy); throws as documented.
   at::Tensor resolve(const at::Tensor& t, int64_t op_key);

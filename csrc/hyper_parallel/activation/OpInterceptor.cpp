@@ -293,7 +293,7 @@ void SacRegion::forward(const c10::OperatorHandle& op, const OpFacts& facts,
   g_intercepted.fetch_add(1, std::memory_order_relaxed);
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
-  external_.forward_inputs(facts.key, torch::jit::last(*stack, nargs), facts.writes);
+  external_.forward_inputs(facts.key, torch::jit::last(*stack, nargs), facts.writes, &schema);
   if (facts.kind == OpKind::kCollective && collective_) {
     ++python_calls_;
     collective_(op, stack, false);

@@ -40,7 +40,7 @@ _OVERLAPPED = object()  # changed in forward by a write through another tensor o
 
 
 class _Read:
-    __slots__ = ("ref", "version", "snapshot", "op", "storage", "by_other")
+    __slots__ = ("ref", "version", "snapshot", "op", "storage", "by_other", "declared")
 
     def __init__(self, tensor, op: str) -> None:
         self.ref = weakref.ref(tensor)
@@ -50,6 +50,9 @@ class _Read:
         self.by_other = False
         self.snapshot = None  # the value forward read, kept before forward's first write
         self.op = op  # the op that read it first
+        # written by an op that declares the write (autograd bumps the version), not only by
+        # the batch norms' writes of their running statistics, which autograd does not see
+        self.declared = False
 
 
 def _storage_key(t):
@@ -130,9 +133,11 @@ class ExternalTensors:
         self._describe = describe
 
     # ------------------------------------------------------------------ forward
-    def forward_inputs(self, op: str, args, kwargs, writes) -> None:
+    def forward_inputs(self, op: str, args, kwargs, writes, declared: bool = True) -> None:
         """Before an op of the forward runs: notes external inputs, and keeps the value of
-        each external tensor that argument positions ``writes`` are about to write."""
+        each external tensor that argument positions ``writes`` are about to write.
+        ``declared``: the op's schema declares those writes (False for the batch norms'
+        running statistics)."""
         reads, produced = self._reads, self._produced
         if produced is None:
             return
@@ -147,14 +152,14 @@ class ExternalTensors:
                     self._note(key, t, op)
         if writes:
             for t in iter_tensors(tuple(written_targets(args, kwargs, writes))):
-                self._before_write(t)
+                self._before_write(t, declared)
 
     def _note(self, key, t, op: str) -> None:
         rec = self._reads[key] = _Read(t, op)
         if rec.storage is not None:
             self._by_storage.setdefault(rec.storage, []).append(rec)
 
-    def _before_write(self, t) -> None:
+    def _before_write(self, t, declared: bool = True) -> None:
         # Every external tensor in the written storage: the one written, its base, other
         # views of that base read elsewhere (`v = buf[:4]` read, `buf[4:]` written; FSDP2's
         # all-gather input, a view of the buffer the collective writes): the value forward
@@ -163,6 +168,8 @@ class ExternalTensors:
         if storage is None:
             return
         for rec in self._by_storage.get(storage, ()):
+            if declared:
+                rec.declared = True
             if rec.snapshot is not None:
                 continue
             u = rec.ref()
@@ -337,7 +344,12 @@ class ExternalTensors:
         views, a private copy, which a later write of the recompute would change (plain
         autograd's version error; :class:`SavedValues` checks it)."""
         rec = self._reads.get(id(t))
-        if rec is not None and rec.ref() is t and isinstance(rec.snapshot, _Tensor):
+        if rec is not None and rec.ref() is t and isinstance(rec.snapshot, _Tensor) \
+                and rec.declared:
+            # (written only by the batch norms' undeclared writes: saved as itself, as
+            # plain autograd saves it; their running statistics are read in backward only
+            # in eval mode, and a later write that autograd does not see either would
+            # change a private copy saved instead: tester 3, session 18)
             shadow = self._shadows.get(id(t))
             if shadow is None:
                 shadow = self._shadows[id(t)] = rec.snapshot.clone()

@@ -793,3 +793,28 @@ def test_a_helper_keeps_a_probe_per_module_wherever_the_argument_holds_it(how):
     for warm in (False, True):
         got, got_step = step(checkpoint, warm)
         assert torch.equal(got, ref) and got_step == ref_step == 2.0
+
+
+def test_batchnorm_in_eval_then_train_in_one_region_matches_plain_autograd(ckpt):
+    # (tester 3, session 18) The same BatchNorm in eval mode (its backward reads the
+    # running variance it saved) then in train mode (which updates it, a write autograd
+    # does not see), called twice before one backward: the recompute saved its private
+    # copy, which the train call's replay then changed, and the gradient matched neither
+    # plain autograd nor the values read (off by 0.068). Tensors written only by the batch
+    # norms' undeclared writes are saved as themselves, as plain autograd saves them.
+    def run(call):
+        torch.manual_seed(0)
+        fc, bn = nn.Linear(6, 6).double(), nn.BatchNorm1d(6).double()
+
+        def f(x):
+            bn.eval()
+            h = bn(fc(x))
+            bn.train()
+            return bn(h.tanh()).sin()
+
+        x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+        ys = [call(f, x * (i + 1)) for i in range(2)]
+        sum((y * torch.arange(6, dtype=torch.float64)).sum() for y in ys).backward()
+        return [x.grad, fc.weight.grad, bn.weight.grad, bn.running_mean, bn.running_var]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(ckpt), run(_plain)))
