@@ -14,6 +14,7 @@ names starting with ``_`` and names the wrapped module lacks stay on the wrapper
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 
@@ -183,11 +184,12 @@ class ActivationWrapper(nn.Module):
         if inner is None:
             super().__setattr__(name, value)
         elif (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
-              and name in inner._parameters):
-            # A plain tensor into the wrapped module's parameter slot: what
-            # torch.func.functional_call (torch.nn.utils.stateless) does to the module that
-            # owns the slot; it reaches the wrapper because the wrapper hides its child's
-            # name (tester, session 18: nn.Module.__setattr__ refused it, TypeError).
+              and name in inner._parameters and _from_stateless_swap()):
+            # A plain tensor into the wrapped module's parameter slot by torch's stateless
+            # swap (torch.func.functional_call): what it does to the module that owns the
+            # slot; it reaches the wrapper because the wrapper hides its child's name
+            # (tester, session 18: nn.Module.__setattr__ refused it, TypeError). Assigned
+            # by hand it is refused, as on the unwrapped module.
             inner._parameters[name] = value
         else:
             setattr(inner, name, value)
@@ -224,6 +226,17 @@ class ActivationWrapper(nn.Module):
 
     def extra_repr(self) -> str:
         return ""
+
+
+# The module of torch's stateless parameter swap (torch.func.functional_call,
+# torch.nn.utils.stateless), whose swap_tensor() sets a name on the module that owns it.
+_STATELESS_SWAP = "torch.nn.utils._named_member_accessor"
+
+
+def _from_stateless_swap() -> bool:
+    """Whether the caller of the wrapper's ``__setattr__`` is torch's stateless swap."""
+    frame = sys._getframe(2)  # (0: this function, 1: __setattr__, 2: its caller)
+    return frame.f_globals.get("__name__") == _STATELESS_SWAP
 
 
 def _strip_module_name(name: str) -> str:

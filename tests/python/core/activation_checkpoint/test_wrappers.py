@@ -321,3 +321,27 @@ def test_a_failing_attribute_lookup_propagates_on_both_paths(path, host_swap):
     y = swap_wrapper(torch.sin)(x)  # the engine is still usable
     y.sum().backward()
     assert torch.equal(x.grad, torch.cos(x.detach()))
+
+
+@pytest.mark.parametrize("wrap", [checkpoint_wrapper, swap_wrapper])
+def test_a_plain_tensor_assigned_to_a_parameter_by_hand_is_refused_as_unwrapped(wrap):
+    # (tester 3, session 18) Letting torch.func.functional_call put plain tensors into a
+    # wrapped block's own parameter slots must not let them in by hand: the unwrapped
+    # module refuses (TypeError), and an optimizer built before would train a parameter
+    # the forward no longer reads.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return x * self.scale
+
+    plain, block = Block(), Block()
+    wrapped = wrap(block)
+    for target in (plain, wrapped):
+        with pytest.raises(TypeError, match="cannot assign"):
+            target.scale = torch.zeros(4)
+    assert type(block.scale) is nn.Parameter and torch.equal(block.scale, torch.ones(4))
+    wrapped.scale = nn.Parameter(torch.full((4,), 2.0))  # a Parameter goes in, as unwrapped
+    assert torch.equal(block.scale, torch.full((4,), 2.0))
