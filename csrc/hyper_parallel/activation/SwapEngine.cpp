@@ -556,17 +556,21 @@ void SwapEngine::check_resident(const StorageRecord& record, const at::Tensor& a
   // SPEC 4.2 at its source: autograd is never handed a released or half-refilled storage.
   const c10::StorageImpl* impl = alias.storage().unsafeGetStorageImpl();
   // On the device by the engine's account (never released, or refilled by its reload to
-  // exactly record.nbytes()), yet another size: code outside the engine resized or freed
-  // the storage after it was saved (untyped_storage().resize_(0), as FSDP does with its
-  // own buffers). Plain torch fails there too ("data is not allocated yet"); say so.
-  HP_CHECK(record.state() != Residency::kDevice || impl->nbytes() == record.nbytes(),
+  // exactly record.nbytes()), yet smaller: code outside the engine shrank or freed the
+  // storage after it was saved (untyped_storage().resize_(0), as FSDP does with its own
+  // buffers). Plain torch fails there too ("data is not allocated yet"); say so. A storage
+  // grown since (resize_ keeps the values) still holds the saved bytes: plain torch reads
+  // it, and so does this (such a storage never leaves the device: try_offload_locked).
+  const bool on_device = record.state() == Residency::kDevice;
+  HP_CHECK(!on_device || impl->nbytes() >= record.nbytes(),
            "a tensor saved for backward (shape ", alias.sizes(), ", dtype ",
            alias.scalar_type(), ") has a storage of ", impl->nbytes(), " bytes, but it held ",
            record.nbytes(), " when it was saved: something resized or freed it after the "
            "forward (e.g. untyped_storage().resize_(0)). A tensor saved for backward must "
            "keep its storage until the backward has read it: free it after backward(), or "
            "clone it before freeing.");
-  HP_INTERNAL_ASSERT(impl->nbytes() == record.nbytes() &&
+  HP_INTERNAL_ASSERT((on_device ? impl->nbytes() >= record.nbytes()
+                                : impl->nbytes() == record.nbytes()) &&
                          (record.nbytes() == 0 || impl->data() != nullptr),
                      "unpack would hand autograd a storage that is not resident (",
                      impl->nbytes(), " of ", record.nbytes(), " bytes, state ",

@@ -339,3 +339,27 @@ def test_a_saved_storage_freed_outside_the_engine_is_a_clear_error(cpu_swap, dev
     for m in layers:
         m.zero_grad(set_to_none=True)
     assert all(torch.equal(a, b) for a, b in zip(_step(layers, x), _step(plain, x)))
+
+
+def test_a_saved_storage_grown_outside_the_engine_is_read_as_plain_torch_reads_it(cpu_swap, dev):
+    # (tester 3, session 18) resize_ to a larger size keeps the values: plain torch's
+    # backward reads them, and the check above refused it as "resized or freed".
+    torch.manual_seed(0)
+    d = 16
+    plain = nn.ModuleList(_ExpBlock(d) for _ in range(4)).to(dev)
+    layers = nn.ModuleList(swap_wrapper(copy.deepcopy(m)) for m in plain)
+    for a, b in zip(layers, list(layers)[1:]):
+        SwapManager().set_forward_prefetch_layer(a, b)
+    x = torch.randn(8, d, device=dev)
+
+    def grads(stack):
+        h, outs = x, []
+        for m in stack:
+            h = m(h)
+            outs.append(h)
+        storage = outs[0].untyped_storage()
+        storage.resize_(2 * storage.nbytes())
+        params = [p for m in stack for p in m.parameters()]
+        return torch.autograd.grad(h.sum(), params)
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(layers), grads(plain)))
