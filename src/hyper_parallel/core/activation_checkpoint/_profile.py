@@ -646,21 +646,28 @@ class _OutsideLeaves:
 
     @contextlib.contextmanager
     def watching(self):
+        """Wraps, for this thread, the function every backward call of ``torch.autograd``
+        goes through: ``_engine_run_backward`` where torch has it (``Tensor.backward``,
+        ``torch.autograd.backward`` however imported, ``torch.autograd.grad``), else
+        ``torch.autograd.backward``. A step calling the engine directly
+        (``Variable._execution_engine.run_backward``) is not seen."""
         import threading
 
-        original = torch.autograd.backward
+        module = torch.autograd
+        name = "_engine_run_backward" if hasattr(module, "_engine_run_backward") else "backward"
+        original = getattr(module, name)
         thread = threading.get_ident()
 
-        def backward(tensors, *args, **kwargs):
+        def run_backward(tensors, *args, **kwargs):
             if threading.get_ident() == thread:
                 self._note(tensors)
             return original(tensors, *args, **kwargs)
 
-        torch.autograd.backward = backward
+        setattr(module, name, run_backward)
         try:
             yield
         finally:
-            torch.autograd.backward = original
+            setattr(module, name, original)
 
     def _note(self, tensors) -> None:
         roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
@@ -699,6 +706,24 @@ class _OutsideLeaves:
         for leaf, grad in self._saved.values():
             leaf.grad = grad
         self._saved.clear()
+
+
+def _check_initialized(model: nn.Module, params: list) -> None:
+    """Refuses a model whose lazy modules (``nn.LazyLinear``, ...) have not run yet: their
+    parameters have no shape, so nothing about them can be measured or checked.
+
+    Raises:
+        ValueError: naming the first uninitialized parameter or buffer.
+    """
+    lazy = nn.parameter.is_lazy
+    names = [n for n, p in model.named_parameters() if lazy(p)]
+    names += [n for n, b in model.named_buffers() if lazy(b)]
+    if names:
+        raise ValueError(
+            f"hyper_parallel: the model has uninitialized lazy parameters or buffers "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}: nn.Lazy* modules "
+            "that have not run yet); run one forward of the model first (e.g. under "
+            "torch.no_grad()) so that they get their shapes, then plan.")
 
 
 def _check_warmup(run: dict, layer_names: list[str]) -> None:
@@ -1005,6 +1030,7 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"hyper_parallel: repeats must be an int >= 1, got {repeats!r}")
     params = list(model.parameters())
+    _check_initialized(model, params)
     device = model_device(model)
     if not _can_swap(device):
         dropped = [n for n in names if STRATEGIES[n].swaps]
@@ -1132,6 +1158,7 @@ def measure_plan(model: nn.Module, step_fn: Callable[[], object], plan, *,
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"hyper_parallel: steps must be an int >= 1, got {steps!r}")
     params = list(model.parameters())
+    _check_initialized(model, params)
     device = model_device(model)
     layer_names = list(plan.strategies if hasattr(plan, "strategies") else plan)
     with _left_as_found(model, params, device) as state:

@@ -213,6 +213,40 @@ def test_a_step_that_updates_the_weights_behind_autograd_is_refused(update, mess
         assert not moved
 
 
+@pytest.mark.parametrize("how", ["tensor_backward", "backward_by_name", "several_roots"])
+def test_leaves_outside_the_model_keep_their_gradients_whatever_calls_backward(how):
+    # (tester 3, session 18) The graph walk saw only torch.autograd.backward called
+    # through the module attribute: backward imported by name left 21 steps of gradient.
+    from torch.autograd import backward as backward_by_name
+
+    torch.manual_seed(0)
+    model = _BnStack()
+    x = torch.randn(8, 16, requires_grad=True)
+    other = torch.ones(16, requires_grad=True)
+
+    def step():
+        y = model(x)
+        if how == "tensor_backward":
+            (y * other).sum().backward()
+        elif how == "backward_by_name":
+            backward_by_name((y * other).sum())
+        else:
+            torch.autograd.backward([y.sum(), (y * other).mean()])
+
+    plan_activation_memory(model, step, 0.5, candidates=["none", "checkpoint"])
+    assert x.grad is None and other.grad is None
+
+
+def test_a_model_with_uninitialized_lazy_modules_is_refused_clearly():
+    model = nn.Sequential(nn.LazyLinear(16), nn.Tanh(), nn.LazyLinear(16))
+    x = torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"hyper_parallel: the model has uninitialized lazy "
+                                         r"parameters or buffers \(0.weight, 0.bias, 2.weight, "
+                                         r"\.\.\.: nn.Lazy\* modules"):
+        plan_activation_memory(model, lambda: model(x).sum().backward(), 0.5,
+                               layers=["0", "2"])
+
+
 def test_leaves_outside_the_model_keep_their_gradients():
     # (tester, session 18) The model's .grad were restored, but an input with
     # requires_grad and a weight held outside the model kept the sum of every profiling
