@@ -296,6 +296,12 @@ def _probe_slot(function, args, kwargs):
     if isinstance(target, nn.Module):
         return _PLAIN_TARGETS, target, target.training
     found: dict = {}
+    owner = getattr(target, "__self__", None)
+    if isinstance(owner, nn.Module):
+        # A module's bound method (Hugging Face checkpoints layer.__call__): a new object
+        # at every attribute access, so kept per (module, function), not per method object.
+        found[id(owner)] = owner
+        target = target.__func__
     if not _argument_modules(args, found) or (
             kwargs and not _argument_modules(kwargs.values(), found)):
         return None

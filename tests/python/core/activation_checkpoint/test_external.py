@@ -818,3 +818,42 @@ def test_batchnorm_in_eval_then_train_in_one_region_matches_plain_autograd(ckpt)
         return [x.grad, fc.weight.grad, bn.weight.grad, bn.running_mean, bn.running_var]
 
     assert all(torch.equal(a, b) for a, b in zip(run(ckpt), run(_plain)))
+
+
+def test_a_modules_bound_method_is_probed_once_per_function(monkeypatch):
+    # Hugging Face's gradient checkpointing checkpoints layer.__call__, a new bound-method
+    # object at every access: its probe result was dropped with it, so the region modes
+    # ran at every call. It is kept per (module, function): one probe for __call__, and a
+    # method of the same module that writes its state keeps the modes.
+    from hyper_parallel.core.activation_checkpoint import _checkpoint
+
+    probes = []
+    original = _checkpoint.region_context_fn
+
+    def spy(*args, **kwargs):
+        probes.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_checkpoint, "region_context_fn", spy)
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("step", torch.ones(()))
+
+        def forward(self, x):
+            return self.lin(x).tanh()
+
+        def count(self, x):
+            self.step += 1
+            return x.sin() * self.step
+
+    layer = Layer()
+    x = torch.randn(2, 4, requires_grad=True)
+    for _ in range(3):
+        checkpoint(layer.__call__, x).sum().backward()
+    assert len(probes) == 1
+    for _ in range(2):
+        checkpoint(layer.count, x).sum().backward()
+    assert len(probes) == 3 and layer.step.item() == 3.0
