@@ -344,17 +344,24 @@ def test_forward_only_loop_frees_each_output_when_dropped(ckpt):
 
 # ------------------------------------------------------------------ full checkpoint fast path
 
-def test_full_checkpoint_probes_a_target_then_runs_torchs_frame_alone(monkeypatch):
+@pytest.fixture
+def probes(monkeypatch):
+    """The policies of the regions that ran the region modes (a probe or a per-op
+    policy), one entry per region call."""
     from hyper_parallel.core.activation_checkpoint import _checkpoint
 
-    probes = []
+    seen = []
     original = _checkpoint.region_context_fn
 
     def spy(*args, **kwargs):
-        probes.append(args[0])
+        seen.append(args[0])
         return original(*args, **kwargs)
 
     monkeypatch.setattr(_checkpoint, "region_context_fn", spy)
+    return seen
+
+
+def test_full_checkpoint_probes_a_target_then_runs_torchs_frame_alone(probes):
     plain = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
     stateful = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
     x = torch.randn(4, 8, requires_grad=True)
@@ -820,21 +827,11 @@ def test_batchnorm_in_eval_then_train_in_one_region_matches_plain_autograd(ckpt)
     assert all(torch.equal(a, b) for a, b in zip(run(ckpt), run(_plain)))
 
 
-def test_a_modules_bound_method_is_probed_once_per_function(monkeypatch):
+def test_a_modules_bound_method_is_probed_once_per_function(probes):
     # Hugging Face's gradient checkpointing checkpoints layer.__call__, a new bound-method
     # object at every access: its probe result was dropped with it, so the region modes
     # ran at every call. It is kept per (module, function): one probe for __call__, and a
     # method of the same module that writes its state keeps the modes.
-    from hyper_parallel.core.activation_checkpoint import _checkpoint
-
-    probes = []
-    original = _checkpoint.region_context_fn
-
-    def spy(*args, **kwargs):
-        probes.append(args[0])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(_checkpoint, "region_context_fn", spy)
 
     class Layer(nn.Module):
         def __init__(self) -> None:

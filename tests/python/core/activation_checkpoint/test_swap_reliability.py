@@ -311,6 +311,16 @@ class _ExpBlock(nn.Module):
         return torch.exp(self.lin(x) * 0.1)
 
 
+def _exp_chain(dev, d=16):
+    """Four _ExpBlocks on `dev`, plain and as a chain of swap wrappers, and an input."""
+    torch.manual_seed(0)
+    plain = nn.ModuleList(_ExpBlock(d) for _ in range(4)).to(dev)
+    layers = nn.ModuleList(swap_wrapper(copy.deepcopy(m)) for m in plain)
+    for a, b in zip(layers, list(layers)[1:]):
+        SwapManager().set_forward_prefetch_layer(a, b)
+    return plain, layers, torch.randn(8, d, device=dev)
+
+
 @pytest.mark.parametrize("which", ["held_by_caller", "last_layer"])
 def test_a_saved_storage_freed_outside_the_engine_is_a_clear_error(cpu_swap, dev, which):
     # (tester, session 18) The caller freed a saved tensor's storage after the forward
@@ -318,13 +328,7 @@ def test_a_saved_storage_freed_outside_the_engine_is_a_clear_error(cpu_swap, dev
     # failed on an internal assertion asking for a bug report to PyTorch. It is the
     # caller's error (plain torch fails there too); it now says so, and the next step
     # trains as before.
-    torch.manual_seed(0)
-    d = 16
-    plain = nn.ModuleList(_ExpBlock(d) for _ in range(4)).to(dev)
-    layers = nn.ModuleList(swap_wrapper(copy.deepcopy(m)) for m in plain)
-    for a, b in zip(layers, list(layers)[1:]):
-        SwapManager().set_forward_prefetch_layer(a, b)
-    x = torch.randn(8, d, device=dev)
+    plain, layers, x = _exp_chain(dev)
     h, outs = x, []
     for m in layers:
         h = m(h)
@@ -344,13 +348,7 @@ def test_a_saved_storage_freed_outside_the_engine_is_a_clear_error(cpu_swap, dev
 def test_a_saved_storage_grown_outside_the_engine_is_read_as_plain_torch_reads_it(cpu_swap, dev):
     # (tester 3, session 18) resize_ to a larger size keeps the values: plain torch's
     # backward reads them, and the check above refused it as "resized or freed".
-    torch.manual_seed(0)
-    d = 16
-    plain = nn.ModuleList(_ExpBlock(d) for _ in range(4)).to(dev)
-    layers = nn.ModuleList(swap_wrapper(copy.deepcopy(m)) for m in plain)
-    for a, b in zip(layers, list(layers)[1:]):
-        SwapManager().set_forward_prefetch_layer(a, b)
-    x = torch.randn(8, d, device=dev)
+    plain, layers, x = _exp_chain(dev)
 
     def grads(stack):
         h, outs = x, []
