@@ -116,6 +116,8 @@ csrc/hyper_parallel/activation/OpInterceptor.h.)doc")
       .def("exit", &SacRegion::exit)
       .def("end_forward", &SacRegion::end_forward)
       .def_property_readonly("written", &SacRegion::written)
+      .def("written_tensors", &SacRegion::written_tensors,
+           "External tensors the forward wrote and whose value was kept.")
       .def("recompute_save",
            [](SacRegion& r, const at::Tensor& t) {
              auto s = r.recompute_save(t);

@@ -107,23 +107,28 @@ void ExternalReads::before_write(const at::Tensor& t, bool declared) {
     Read& rec = it->second;
     if (rec.storage != storage) continue;
     if (declared) rec.declared = true;
-    if (rec.snap != Snap::kNone) continue;
+    if (rec.snap != Snap::kNone && rec.snap != Snap::kValue) continue;
     auto p = rec.ref.lock();
     if (!p) continue;
     const at::Tensor u(std::move(p));
     if (!u.has_storage() || u.storage().unsafeGetStorageImpl() != storage) continue;
-    if (u._version() == rec.version) {
+    // Through itself, or a view or alias of it the region made (the recompute makes it
+    // again from u's copy), the recompute replays the write on u's copy; through another
+    // tensor (its base, a view made outside) it does not: end_forward() checks the value.
+    // Every write counts, not only the first (tester, session 18: a second write through
+    // an outside view was lost from the copy, a silently wrong gradient).
+    const c10::TensorImpl* ti = t.unsafeGetTensorImpl();
+    const auto alias = alias_of_.find(ti);
+    const bool other = !u.is_same(t) &&
+                       !(produced_.count(ti) > 0 &&
+                         ((t.is_view() && t._base().is_same(u)) ||
+                          (alias != alias_of_.end() && alias->second == impl)));
+    if (rec.snap == Snap::kValue) {
+      rec.by_other = rec.by_other || other;
+    } else if (u._version() == rec.version) {
       rec.snapshot = copy_of(u);
       rec.snap = Snap::kValue;
-      // Through itself, or a view of it the region made (the recompute makes it again from
-      // u's copy), the recompute replays the write on u's copy; through another tensor
-      // (its base, an outside view) it does not: end_forward() checks the value.
-      const c10::TensorImpl* ti = t.unsafeGetTensorImpl();
-      const auto alias = alias_of_.find(ti);
-      rec.by_other = !u.is_same(t) &&
-                     !(produced_.count(ti) > 0 &&
-                       ((t.is_view() && t._base().is_same(u)) ||
-                        (alias != alias_of_.end() && alias->second == impl)));
+      rec.by_other = other;
     } else {
       rec.snap = Snap::kLost;  // written before, by an op that did not declare it
     }
@@ -184,11 +189,19 @@ std::string ExternalReads::name(const at::Tensor& t) const {
   return os.str();
 }
 
+namespace {
+// The op that read a tensor first, for messages: ops never cached (views, in-place ops)
+// have no interned key (-1).
+std::string op_label(int64_t op_key) {
+  return op_key >= 0 ? OpNames::name(op_key) : std::string("a view or in-place op");
+}
+}  // namespace
+
 std::string ExternalReads::modified_message(const at::Tensor& t, int64_t op_key,
                                             uint32_t version) const {
   std::ostringstream os;
   os << "the recompute of a checkpoint region reads " << name(t) << " (in "
-     << OpNames::name(op_key) << "), which was modified in place after the region's forward "
+     << op_label(op_key) << "), which was modified in place after the region's forward "
      << "read it (version " << version << " -> " << t._version() << "). Backward would "
      << "compute its gradients from a different value than forward used. Modify it after "
      << "backward (or before the forward), or clone it and let the region read the clone.";
@@ -216,7 +229,7 @@ void ExternalReads::begin_recompute() {
       HP_CHECK(false, overlapped_message(t));
     } else {
       HP_CHECK(false, "the recompute of a checkpoint region needs the value that ", name(t),
-               " had when ", OpNames::name(rec.op_key), " read it in the region's forward, "
+               " had when ", op_label(rec.op_key), " read it in the region's forward, "
                "but an op of that forward modified it without declaring the write in its "
                "schema (e.g. a custom kernel), so the value was not kept (version ",
                rec.version, " -> ", t._version(), "). Declare the write in the op's schema "
@@ -249,6 +262,15 @@ at::Tensor ExternalReads::resolve(const at::Tensor& t, int64_t op_key) {
     it = shadows_.emplace(t.unsafeGetTensorImpl(), copy_of(rec->snapshot)).first;
   }
   return it->second;
+}
+
+std::vector<at::Tensor> ExternalReads::written_tensors() const {
+  std::vector<at::Tensor> out;
+  for (const auto& [impl, rec] : reads_) {
+    if (rec.snap != Snap::kValue) continue;
+    if (auto p = rec.ref.lock()) out.emplace_back(std::move(p));
+  }
+  return out;
 }
 
 ExternalReads::Save ExternalReads::recompute_save(const at::Tensor& t) {

@@ -96,6 +96,11 @@ class ExternalReads {
     bool watch = false;
   };
   Save recompute_save(const at::Tensor& t);
+  // The external tensors the forward wrote whose value was kept (the ones with a private
+  // copy in recompute). A recompute writes only their copies, but a write through a view
+  // the recompute made bumps the real tensor's version (autograd's view tracking sits
+  // above the redirection); the caller puts their versions back when it ends.
+  std::vector<at::Tensor> written_tensors() const;
 
   size_t reads() const { return reads_.size(); }
 

@@ -108,6 +108,7 @@ class SacRegion {
   // Recompute: what a saved-tensor pack hook must save in place of `t` (see
   // ExternalReads::recompute_save).
   ExternalReads::Save recompute_save(const at::Tensor& t) { return external_.recompute_save(t); }
+  std::vector<at::Tensor> written_tensors() const { return external_.written_tensors(); }
   // checkpoint_exclude_wrapper: ops of the forward pass through while > 0.
   void add_excluding(int delta) { excluding_ += delta; }
 

@@ -170,18 +170,25 @@ class ExternalTensors:
         for rec in self._by_storage.get(storage, ()):
             if declared:
                 rec.declared = True
-            if rec.snapshot is not None:
+            snap = rec.snapshot
+            if snap is not None and not isinstance(snap, _Tensor):
                 continue
             u = rec.ref()
             if u is None or _storage_key(u) != storage:
                 continue
-            rec.snapshot = u.detach().clone() if u._version == rec.version else _LOST
-            # Through itself, or a view of it the region made (the recompute makes it again
-            # from u's copy), the recompute replays the write on u's copy; through another
-            # tensor (its base, an outside view) it does not: end_forward checks the value.
-            rec.by_other = u is not t and not (
+            # Through itself, or a view or alias of it the region made (the recompute makes
+            # it again from u's copy), the recompute replays the write on u's copy; through
+            # another tensor (its base, a view made outside) it does not: end_forward
+            # checks the value. Every write counts, not only the first (tester, session
+            # 18: a second write through an outside view was lost from the copy).
+            other = u is not t and not (
                 id(t) in self._produced
                 and (t._base is u or self._alias_of.get(id(t)) == id(u)))
+            if snap is not None:
+                rec.by_other = rec.by_other or other
+                continue
+            rec.snapshot = u.detach().clone() if u._version == rec.version else _LOST
+            rec.by_other = other
 
     def forward_outputs(self, out, source=None) -> None:
         """After an op of the forward ran: its outputs are the region's own tensors.
@@ -333,6 +340,17 @@ class ExternalTensors:
             shadow = self._shadows[id(t)] = snap.clone()
         return shadow
 
+    def written_tensors(self) -> list:
+        """The external tensors the forward wrote whose value was kept (those with a
+        private copy in recompute)."""
+        out = []
+        for rec in self._reads.values():
+            if isinstance(rec.snapshot, _Tensor):
+                t = rec.ref()
+                if t is not None:
+                    out.append(t)
+        return out
+
     def recompute_save(self, t):
         """Recompute: ``(tensor, watch)``, what autograd must save in place of ``t``, which
         an op of the recompute is about to save for backward (from a saved-tensor pack
@@ -390,22 +408,30 @@ class SavedValues:
     checks no version there and computes a wrong gradient).
 
     ``recompute_save(t) -> (tensor, watch)``: ``ExternalTensors.recompute_save`` or the
-    C++ region's. Re-enterable (a retain_graph backward recomputes again).
+    C++ region's; ``written()``: the external tensors with a private copy, whose version
+    counters are put back at exit (the recompute writes only their copies, but a write
+    through a view the recompute made bumps the real tensor's counter: autograd's view
+    tracking sits above the redirection; tester, session 18: a retain_graph second
+    backward then refused a tied weight as modified). Re-enterable (a retain_graph
+    backward recomputes again).
 
     Raises (at exit):
         RuntimeError: a value saved in this recompute was modified in place afterwards.
     """
 
-    __slots__ = ("_save", "_passes")
+    __slots__ = ("_save", "_written", "_passes")
 
-    def __init__(self, recompute_save) -> None:
+    def __init__(self, recompute_save, written=None) -> None:
         self._save = recompute_save
+        self._written = written
         self._passes: list = []
 
     def __enter__(self):
+        real = list(self._written()) if self._written is not None else []
+        versions = [t._version for t in real]
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is None:  # (not under torch's frame: nothing saves through a hook here)
-            self._passes.append(None)
+            self._passes.append((None, real, versions))
             return self
         pack, unpack = top
         save, watched = self._save, []
@@ -417,14 +443,25 @@ class SavedValues:
             return pack(u)
 
         torch._C._autograd._push_saved_tensors_default_hooks(pack_hook, unpack)
-        self._passes.append(watched)
+        self._passes.append((watched, real, versions))
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        watched = self._passes.pop() if self._passes else None
-        if watched is None:
+        if not self._passes:
             return False
-        torch._C._autograd._pop_saved_tensors_default_hooks()
+        watched, real, versions = self._passes.pop()
+        try:
+            if watched is not None:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+                self._check(watched)  # (first: a view's counter may be the real tensor's)
+        finally:
+            moved = [(t, v) for t, v in zip(real, versions) if t._version != v]
+            if moved:
+                _set_versions([t for t, _ in moved], [v for _, v in moved])
+        return False
+
+    @staticmethod
+    def _check(watched) -> None:
         for u, version in watched:
             if u._version != version:
                 raise RuntimeError(
@@ -436,4 +473,14 @@ class SavedValues:
                     "computation has been modified by an inplace operation). Clone it before "
                     "the region writes it, or move the write out of the checkpointed "
                     "function.")
-        return False
+
+
+def _set_versions(tensors: list, versions: list) -> None:
+    """Puts version counters back (torch's ``_unsafe_set_version_counter``: sequences
+    since torch 2.5, one tensor and version before)."""
+    setter = torch._C._autograd._unsafe_set_version_counter
+    try:
+        setter(tuple(tensors), tuple(versions))
+    except TypeError:
+        for t, v in zip(tensors, versions):
+            setter(t, v)

@@ -505,7 +505,8 @@ class _CachedMode(TorchDispatchMode):
         st.external.begin_recompute()
         st.collectives.begin_recompute()
         _recompute_state.enter_recompute(st.rstate)
-        self._saves.append(_enter_saved_values(st.external.written, st.external.recompute_save))
+        self._saves.append(_enter_saved_values(st.external.written, st.external.recompute_save,
+                                               st.external.written_tensors))
         return super().__enter__()
 
     def __exit__(self, exc_type, exc, tb):
@@ -545,13 +546,13 @@ class _CachedMode(TorchDispatchMode):
         return out
 
 
-def _enter_saved_values(written: int, recompute_save):
+def _enter_saved_values(written: int, recompute_save, written_tensors):
     """In a recompute whose forward wrote external tensors: :class:`SavedValues` entered
-    (the private copies saved instead of the tensors, writes after a save refused);
-    otherwise None (nothing to redirect, no hook)."""
+    (the private copies saved instead of the tensors, writes after a save refused, the
+    real tensors' versions put back); otherwise None (nothing to redirect, no hook)."""
     if written <= 0:
         return None
-    saves = SavedValues(recompute_save)
+    saves = SavedValues(recompute_save, written_tensors)
     saves.__enter__()
     return saves
 
@@ -612,7 +613,8 @@ class _NativeRecompute:
         st.native.enter_recompute()  # checks the external tensors; may raise
         st.collectives.begin_recompute()
         _recompute_state.enter_recompute(st.rstate)
-        self._saves.append(_enter_saved_values(st.native.written, st.native.recompute_save))
+        self._saves.append(_enter_saved_values(st.native.written, st.native.recompute_save,
+                                               st.native.written_tensors))
         shield = None
         if torch._C._len_torch_dispatch_stack() > 0:
             shield = _ReplayShield(st.cache)

@@ -854,3 +854,70 @@ def test_a_modules_bound_method_is_probed_once_per_function(probes):
     for _ in range(2):
         checkpoint(layer.count, x).sum().backward()
     assert len(probes) == 3 and layer.step.item() == 3.0
+
+
+@pytest.mark.parametrize("first", ["itself", "region_alias"])
+def test_a_later_write_through_an_outside_view_is_a_clear_error(ckpt, first):
+    # (tester 4, session 18) The region wrote buf (directly, or through its own
+    # buf.detach()), then again through a view made outside the region, then read it:
+    # only the first write decided whether the recompute could replay the writes on its
+    # copy, so the second was lost from it (gradients off by 39.8, no error). Every write
+    # counts now; this one cannot be replayed, and the recompute says so.
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(6, 6, dtype=torch.float64))
+    buf = torch.randn(4, 6, dtype=torch.float64)
+    alias = buf.view(4, 6)  # made outside the region
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+
+    def f(t):
+        (buf if first == "itself" else buf.detach()).mul_(2.0)
+        alias.add_(1.0)
+        return (t @ w) * buf
+
+    y = ckpt(f, x)
+    with pytest.raises(RuntimeError, match=r"hyper_parallel: the recompute of a checkpoint "
+                                           r"region reads a tensor from outside the region "
+                                           r"\(shape \[4, 6\], torch.float64\), whose value the "
+                                           r"region's forward changed"):
+        y.pow(2).sum().backward()
+
+
+def test_a_replayed_write_through_a_region_view_leaves_the_real_version_alone(ckpt):
+    # (tester 4, session 18) Replaying nn.Embedding(max_norm)'s renorm of weight.detach()
+    # in recompute bumped the real weight's version (autograd's view tracking sits above
+    # the redirection to the copy), so a tied head's second backward (retain_graph)
+    # refused the weight as modified; plain autograd works.
+    def run(call):
+        torch.manual_seed(0)
+        emb = nn.Embedding(10, 4, max_norm=1.0).double()
+        with torch.no_grad():
+            emb.weight.mul_(3)
+        idx = torch.tensor([1, 2, 3])
+        h = call(lambda i: emb(i).tanh(), idx)
+        z = call(lambda t: t @ emb.weight.t(), h)  # a tied head reads the weight
+        version = emb.weight._version
+        loss = z.pow(2).sum()
+        loss.backward(retain_graph=True)
+        assert emb.weight._version == version
+        first = emb.weight.grad.clone()
+        loss.backward()
+        return [first, emb.weight.grad, emb.weight.detach()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(ckpt), run(_plain)))
+
+
+def test_state_first_read_by_a_view_op_then_modified_names_the_read(ckpt):
+    # (tester 4, session 18) On the C++ path an outside tensor first read by a view op
+    # (never cached: no op key) and modified after the forward raised "unknown op key -1"
+    # instead of the message that says what was modified.
+    buf = torch.ones(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    y = ckpt(lambda t: (t * buf[1]).sin(), x)
+    with torch.no_grad():
+        buf.mul_(3)
+    with pytest.raises(RuntimeError, match=r"hyper_parallel: the recompute of a checkpoint "
+                                           r"region reads a tensor from outside the region "
+                                           r"\(shape \[4, 4\], torch.float32\) \(in "
+                                           r"(a view or in-place op|aten.select.int)\), which "
+                                           r"was modified in place"):
+        y.sum().backward()
