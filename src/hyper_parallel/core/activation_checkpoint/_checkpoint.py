@@ -14,7 +14,11 @@ parts:
 
 from __future__ import annotations
 
+import collections
+import collections.abc
+import enum
 import functools
+import types
 import weakref
 
 import torch
@@ -252,61 +256,115 @@ _NEEDS_MODES = object()
 _ARGUMENT_DEPTH = 3
 
 
+# Argument values that hold no module (not looked into).
+_LEAVES = (torch.Tensor, str, bytes, int, float, complex, bool, type(None), torch.dtype,
+           torch.device, slice, type(Ellipsis), type, types.FunctionType,
+           types.BuiltinFunctionType, enum.Enum)
+
+
 def _argument_modules(values, found: dict, depth: int = _ARGUMENT_DEPTH) -> bool:
     """Adds to ``found`` (id -> module) the modules among ``values``: modules, the modules
-    of bound methods, of ``functools.partial`` objects and inside lists, tuples and dicts,
-    ``depth`` levels deep. False when a container was too deep to look through (the result
-    is then not kept)."""
+    of bound methods, and those inside lists, tuples, sets, dicts, partials and objects
+    with attributes (dataclasses, namespaces), ``depth`` levels deep. False when something
+    could not be looked through (too deep, an iterator): the result is then not kept."""
     for v in values:
         if isinstance(v, nn.Module):
             found[id(v)] = v
-        elif isinstance(v, (torch.Tensor, str, bytes, int, float, bool, type(None))):
+        elif isinstance(v, _LEAVES):
             continue
         elif isinstance(getattr(v, "__self__", None), nn.Module):  # m.forward, m.__call__
             found[id(v.__self__)] = v.__self__
-        elif isinstance(v, (list, tuple, dict, functools.partial)):
-            if depth == 0:
+        elif depth == 0:
+            return False
+        elif isinstance(v, dict):
+            if not _argument_modules(v.values(), found, depth - 1):
                 return False
-            if isinstance(v, dict):
-                inner = v.values()
-            elif isinstance(v, functools.partial):
-                inner = (v.func, *v.args, *v.keywords.values())
-            else:
-                inner = v
-            if not _argument_modules(inner, found, depth - 1):
+        elif isinstance(v, (list, tuple, set, frozenset, collections.deque)):
+            if not _argument_modules(v, found, depth - 1):
+                return False
+        elif isinstance(v, functools.partial):
+            if not _argument_modules((v.func, *v.args, *v.keywords.values()), found, depth - 1):
+                return False
+        elif isinstance(v, collections.abc.Iterator):
+            return False  # (a generator: looking would consume it)
+        elif hasattr(v, "__dict__"):
+            if not _argument_modules(list(vars(v).values()), found, depth - 1):
                 return False
     return True
 
 
+def _callable_modules(target, found: dict) -> bool:
+    """Adds to ``found`` the modules a plain callable holds: those a partial binds, a
+    closure captures, or a callable object (or a bound method's object) has as
+    attributes. False when they could not be looked through."""
+    if isinstance(target, functools.partial):
+        return _argument_modules((target.func, *target.args, *target.keywords.values()), found)
+    if isinstance(target, types.FunctionType):
+        cells = []
+        for cell in target.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        return _argument_modules(cells, found)
+    owner = getattr(target, "__self__", None)
+    holder = owner if owner is not None and not isinstance(owner, types.ModuleType) else target
+    if hasattr(holder, "__dict__") and not isinstance(holder, type):
+        return _argument_modules(list(vars(holder).values()), found)
+    return True
+
+
+def _training(module: nn.Module) -> tuple:
+    """The training flags of ``module``'s whole tree (a submodule switched alone changes
+    what its forward writes as much as the module itself). Walked by identity (torch's
+    ``modules()`` hashes them: a module defining ``__eq__`` is unhashable)."""
+    flags, stack, seen = [], [module], set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        flags.append(m.training)
+        stack.extend(c for c in m._modules.values() if c is not None)
+    return tuple(flags)
+
+
 def _probe_slot(function, args, kwargs):
     """Where a full-recompute region's probe result is kept: ``(table, key, training)``,
-    or None (not kept: probed at every call).
+    or None (not kept: probed at every call). ``training``: the training flags of the
+    module tree involved (None without one); a result is used only under the same flags.
 
-    The key is the target (a module, or a callable), except for a plain callable given a
-    module among its arguments (directly, in a list, tuple or dict, as a bound method or
-    in a partial): that module's state is what the call writes (tester, session 18: a
-    helper probed with a ``Linear`` then called with a module that updates a buffer ran
-    torch's frame alone, its recompute reading the updated buffer and updating it again),
-    so the result is kept per (module, callable); with several modules, not kept."""
+    The key is the target module, or for a callable the module it involves: a module
+    among its arguments (directly, in a container or object, as a bound method) or held
+    by the callable itself (a closure's, a partial's, a callable object's, or the module
+    of a bound method such as Hugging Face's ``layer.__call__``), kept per (module,
+    callable); what the call writes is that module's state (tester, session 18: a helper
+    probed with a ``Linear`` then called with a module that updates a buffer ran torch's
+    frame alone, its recompute reading the updated buffer and updating it again). With
+    several modules, or arguments it cannot look through, nothing is kept."""
     target = function.fn if isinstance(function, LayerCall) else function
     try:
         weakref.ref(target)
     except TypeError:
         return None
-    if isinstance(target, nn.Module):
-        return _PLAIN_TARGETS, target, target.training
     found: dict = {}
-    owner = getattr(target, "__self__", None)
-    if isinstance(owner, nn.Module):
-        # A module's bound method (Hugging Face checkpoints layer.__call__): a new object
-        # at every attribute access, so kept per (module, function), not per method object.
-        found[id(owner)] = owner
-        target = target.__func__
+    key = target
+    if not isinstance(target, nn.Module):
+        owner = getattr(target, "__self__", None)
+        if isinstance(owner, nn.Module):
+            # a new bound-method object at every access: kept per function
+            found[id(owner)] = owner
+            key = target.__func__
+        elif not _callable_modules(target, found):
+            return None
     if not _argument_modules(args, found) or (
             kwargs and not _argument_modules(kwargs.values(), found)):
         return None
+    if isinstance(target, nn.Module):
+        found.pop(id(target), None)
+        return (_PLAIN_TARGETS, target, _training(target)) if not found else None
     if not found:
-        return _PLAIN_TARGETS, target, None
+        return _PLAIN_TARGETS, key, None
     if len(found) > 1:
         return None
     (module,) = found.values()
@@ -314,7 +372,14 @@ def _probe_slot(function, args, kwargs):
     if table is None:
         table = _WeakIdMap()
         _PLAIN_BY_MODULE[module] = table
-    return table, target, module.training
+    return table, key, _training(module)
+
+
+def _plain_learned(slot) -> bool:
+    """Whether the probe found the target plain under these training flags."""
+    table, key, training = slot
+    learned = table.get(key, _NEEDS_MODES)
+    return learned is not _NEEDS_MODES and learned == training
 
 
 def _learn(table, key, training, needed: bool) -> None:
@@ -516,7 +581,7 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     debug_region = debug or _debug_forced()
     if debug_region:
         pass  # torch's debug mode brings its own context_fn: a debug region runs without ours
-    elif slot is not None and slot[0].get(slot[1], _NEEDS_MODES) is slot[2]:
+    elif slot is not None and _plain_learned(slot):
         # A full-recompute region whose forward wrote no outside state and ran no
         # collective when it was probed (in this training mode): torch's frame alone.
         # Only the invocation's recompute state (is_recomputing(), exclusion regions,

@@ -921,3 +921,73 @@ def test_state_first_read_by_a_view_op_then_modified_names_the_read(ckpt):
                                            r"(a view or in-place op|aten.select.int)\), which "
                                            r"was modified in place"):
         y.sum().backward()
+
+
+class _TrainCounter(nn.Module):
+    """Writes its buffer in training mode only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+        self.register_buffer("c", torch.ones(4, dtype=torch.float64))
+
+    def forward(self, x):
+        if self.training:
+            self.c.add_(1)
+        return self.lin(x) * self.c
+
+
+class _Holder:
+    def __init__(self, m) -> None:
+        self.m = m
+
+    def __call__(self, x):
+        return self.m(x)
+
+
+@dataclasses.dataclass(eq=False)
+class _Cfg:
+    layer: nn.Module
+
+
+@pytest.mark.parametrize("how", ["closure", "partial", "callable_object", "submodule",
+                                 "dataclass_argument"])
+def test_a_probe_is_not_reused_for_state_its_key_did_not_capture(how):
+    # (tester 4, session 18) The probe's result was reused where the module state the
+    # call writes was not in its key: a closure's, a partial's or a callable object's
+    # module, a submodule switched from eval to train alone, a module inside a dataclass
+    # argument. A first call in eval mode (writes nothing) made the training calls run
+    # torch's frame alone: the buffer was updated twice per step and gradients were off
+    # by 58-87. Such modules are found, and their whole tree's training flags are the key.
+    def scenario(call):
+        torch.manual_seed(0)
+        c, parent, other = _TrainCounter(), nn.Sequential(_TrainCounter()), _TrainCounter()
+        closure = lambda t: c(t)  # noqa: E731
+        partial = functools.partial(lambda m, t: m(t), c)
+        holder = _Holder(c)
+        for step in range(3):
+            x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+            c.train(step > 0)
+            if how == "closure":
+                y, mod = call(closure, x), c
+            elif how == "partial":
+                y, mod = call(partial, x), c
+            elif how == "callable_object":
+                y, mod = call(holder, x), c
+            elif how == "submodule":
+                parent.train()
+                parent[0].train(step > 0)
+                y, mod = call(parent, x), parent[0]
+            else:
+                other.eval()
+                c.train()
+                y, mod = call(_run_cfg, _Cfg(other if step == 0 else c), x), c
+            y.pow(2).sum().backward()
+        return mod.c.clone(), mod.lin.weight.grad.clone()
+
+    got, ref = scenario(checkpoint), scenario(lambda fn, *a: fn(*a))
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def _run_cfg(cfg, x):
+    return cfg.layer(x)
