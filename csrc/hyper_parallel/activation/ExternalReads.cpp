@@ -6,10 +6,10 @@
 #include "hyper_parallel/common/Macros.h"
 
 #include <ATen/ops/view_as_real.h>
-#include <ATen/core/function_schema.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <sstream>
 
 namespace hyper_parallel::activation {
@@ -79,17 +79,13 @@ void ExternalReads::note(const at::Tensor& t, int64_t op_key) {
 
 void ExternalReads::forward_inputs(int64_t op_key, c10::ArrayRef<c10::IValue> args,
                                    const std::vector<int>& writes,
-                                   const c10::FunctionSchema* schema) {
+                                   const std::vector<int>& declared) {
   if (forward_over_) return;
   for (const auto& v : args) for_tensors(v, [&](const at::Tensor& t) { note(t, op_key); });
   for (int i : writes) {
     if (i >= 0 && static_cast<size_t>(i) < args.size()) {
-      bool declared = true;
-      if (schema != nullptr && static_cast<size_t>(i) < schema->arguments().size()) {
-        const auto* alias = schema->arguments()[static_cast<size_t>(i)].alias_info();
-        declared = alias != nullptr && alias->isWrite();
-      }
-      for_tensors(args[i], [&](const at::Tensor& t) { before_write(t, declared); });
+      const bool is_declared = std::find(declared.begin(), declared.end(), i) != declared.end();
+      for_tensors(args[i], [&](const at::Tensor& t) { before_write(t, is_declared); });
     }
   }
 }

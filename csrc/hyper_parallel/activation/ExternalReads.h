@@ -52,11 +52,10 @@ class ExternalReads {
   // Before op `op_key` (OpNames) runs with arguments `args` (boxed, schema order): notes
   // external inputs and copies each external tensor that the arguments at schema positions
   // `writes` are about to write.
-  // `schema`: the op's, to tell writes it declares (Tensor(a!): autograd bumps the
-  // version) from the batch norms' writes of their running statistics; null: all declared.
+  // `declared`: the positions of `writes` the op's schema declares (Tensor(a!): autograd
+  // bumps the version), not the batch norms' writes of their running statistics.
   void forward_inputs(int64_t op_key, c10::ArrayRef<c10::IValue> args,
-                      const std::vector<int>& writes,
-                      const c10::FunctionSchema* schema = nullptr);
+                      const std::vector<int>& writes, const std::vector<int>& declared);
   // After the op ran: its outputs are the region's own tensors. `source`: for a view op,
   // the argument they view (or alias: detach). A view the region made of an external
   // tensor, directly or through such views, counts as that tensor for a write (its

@@ -42,6 +42,21 @@ FactsRegistry& registry() {
   return *r;
 }
 
+// The facts an op's schema gives, whatever the classifier said (OpFacts).
+void add_schema_facts(const c10::FunctionSchema& schema, OpFacts& f) {
+  const auto& args = schema.arguments();
+  for (int w : f.writes) {
+    if (w < 0 || static_cast<size_t>(w) >= args.size()) continue;
+    const auto* alias = args[static_cast<size_t>(w)].alias_info();
+    if (alias != nullptr && alias->isWrite()) f.declared_writes.push_back(w);
+  }
+  if (!args.empty() && !schema.returns().empty()) {
+    const auto* out = schema.returns()[0].alias_info();
+    const auto* in = args[0].alias_info();
+    f.view_of_first = out != nullptr && !out->isWrite() && in != nullptr && !in->isWrite();
+  }
+}
+
 // Shared: a forget_ops() during the op (from a Python callback) must not free them.
 std::shared_ptr<const OpFacts> facts_for(const c10::OperatorHandle& op) {
   const void* id = &op.schema();
@@ -62,7 +77,9 @@ std::shared_ptr<const OpFacts> facts_for(const c10::OperatorHandle& op) {
   }
   if (!facts) {
     // Computed outside the lock: the classifier may take the GIL.
-    auto made = std::make_shared<OpFacts>(classifier ? classifier(op) : facts_from_schema(op));
+    OpFacts f = classifier ? classifier(op) : facts_from_schema(op);
+    add_schema_facts(op.schema(), f);
+    auto made = std::make_shared<OpFacts>(std::move(f));
     std::unique_lock<std::shared_mutex> lock(r.mu);
     facts = r.facts.emplace(id, std::move(made)).first->second;
   }
@@ -293,7 +310,8 @@ void SacRegion::forward(const c10::OperatorHandle& op, const OpFacts& facts,
   g_intercepted.fetch_add(1, std::memory_order_relaxed);
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
-  external_.forward_inputs(facts.key, torch::jit::last(*stack, nargs), facts.writes, &schema);
+  external_.forward_inputs(facts.key, torch::jit::last(*stack, nargs), facts.writes,
+                           facts.declared_writes);
   if (facts.kind == OpKind::kCollective && collective_) {
     ++python_calls_;
     collective_(op, stack, false);
@@ -324,14 +342,9 @@ void SacRegion::forward(const c10::OperatorHandle& op, const OpFacts& facts,
                               : 0;
   // A view op's first argument (what its outputs view, for ExternalReads' writes).
   at::Tensor viewed;
-  if (facts.kind == OpKind::kIgnored && nargs > 0 && !schema.returns().empty()) {
-    const auto* out_alias = schema.returns()[0].alias_info();
-    const auto* in_alias = schema.arguments()[0].alias_info();
+  if (facts.view_of_first) {
     const c10::IValue& first = torch::jit::peek(*stack, 0, nargs);
-    if (out_alias != nullptr && !out_alias->isWrite() && in_alias != nullptr &&
-        !in_alias->isWrite() && first.isTensor()) {
-      viewed = first.toTensor();
-    }
+    if (first.isTensor()) viewed = first.toTensor();
   }
   run_next(op, ks, stack, level);
   if (rng && !rng->after()) rng.reset();
@@ -361,20 +374,11 @@ void SacRegion::recompute(const c10::OperatorHandle& op, const OpFacts& facts,
   g_intercepted.fetch_add(1, std::memory_order_relaxed);
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
-  if (facts.writes.empty() || facts.kind == OpKind::kCollective) {
-    external_.recompute_args(facts.key, *stack, nargs);
-  } else {
-    // Declared writes only: the batch norms' writes of their running statistics (in
-    // facts.writes for the forward's copy on write) are not autograd's either, so they
-    // bump no version (ExternalReads::recompute_args).
-    std::vector<int> declared;
-    for (int w : facts.writes) {
-      if (w < 0 || static_cast<size_t>(w) >= nargs) continue;
-      const auto& alias = schema.arguments()[static_cast<size_t>(w)].alias_info();
-      if (alias != nullptr && alias->isWrite()) declared.push_back(w);
-    }
-    external_.recompute_args(facts.key, *stack, nargs, declared);
-  }
+  // Declared writes only: the batch norms' writes of their running statistics are not
+  // autograd's either, so they bump no version (ExternalReads::recompute_args).
+  static const std::vector<int> kNone;
+  external_.recompute_args(facts.key, *stack, nargs,
+                           facts.kind == OpKind::kCollective ? kNone : facts.declared_writes);
   if (facts.kind == OpKind::kCollective && collective_) {
     ++python_calls_;
     collective_(op, stack, true);

@@ -65,6 +65,11 @@ struct OpFacts {
   std::vector<int> writes;  // schema positions of the arguments the op writes
   bool to_copy = false;     // aten::_to_copy (autocast's weight casts are not counted)
   bool seeded = false;      // tagged nondeterministic_seeded: cached with its RngStep
+  // From the schema, whatever the classifier said (set once per operator):
+  std::vector<int> declared_writes;  // the positions of `writes` the schema declares
+                                     // (Tensor(a!): autograd bumps their versions; not the
+                                     // batch norms' running statistics)
+  bool view_of_first = false;        // returns a view or alias of its first argument
 };
 
 // Computes the facts of an op, once per operator. The Python layer installs the rules of

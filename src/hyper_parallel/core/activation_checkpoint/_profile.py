@@ -586,10 +586,9 @@ class _ModelState:
                     "model(**batch).loss.backward(), and step the optimizer outside.")
         replaced = [path for path, m, name, p in self.slots
                     if m._parameters.get(name) is not p]
-        for name, p, alias, layout in zip(self.names, self.params, self.aliases,
-                                          self.layouts):
-            if alias is not None and layout is not None and \
-                    _layout(_plain_local(p)) not in (layout, None):
+        now = [_plain_local(p) for p in self.params]
+        for name, t, alias, layout in zip(self.names, now, self.aliases, self.layouts):
+            if alias is not None and layout is not None and _layout(t) not in (layout, None):
                 replaced.append(f"{name}.data")
         if replaced:
             raise RuntimeError(
@@ -600,8 +599,8 @@ class _ModelState:
                 "times and must leave the weights as they are: pass a step that only runs "
                 "the forward and backward, e.g. lambda: model(**batch).loss.backward(), and "
                 "update the weights outside.")
-        now = _fingerprint([_plain_local(p) for p in self.params])
-        if any(a is not None and b is not None and a != b for a, b in zip(self.sums, now)):
+        sums = _fingerprint(now)
+        if any(a is not None and b is not None and a != b for a, b in zip(self.sums, sums)):
             raise RuntimeError(
                 "hyper_parallel: step_fn changed the values of the model's parameters "
                 "(through p.data, which no version counter sees: a manual SGD step such as "

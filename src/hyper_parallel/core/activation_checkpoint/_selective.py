@@ -98,10 +98,11 @@ _TO_COPY = torch.ops.aten._to_copy.default
 
 
 class _OpInfo:
-    __slots__ = ("key", "name", "kind", "writes", "seeded", "view")
+    __slots__ = ("key", "name", "kind", "writes", "seeded", "view", "declared",
+                 "replay_writes")
 
     def __init__(self, key: int, name: str, kind: int, writes: tuple,
-                 seeded: bool = False, view: bool = False) -> None:
+                 seeded: bool = False, view: bool = False, declared: bool = True) -> None:
         self.key = key  # -1: never cached (see module docstring)
         self.name = name
         self.kind = kind
@@ -110,6 +111,12 @@ class _OpInfo:
         self.writes = writes
         self.seeded = seeded  # a random op: cached with its RngStep (module docstring)
         self.view = view  # returns a view (or alias) of its first argument
+        # its schema declares its writes (autograd bumps their versions): not the batch
+        # norms' writes of their running statistics
+        self.declared = declared
+        # the writes a recompute bumps the private copies' versions for: declared ones of
+        # an op that runs (a collective's result is handed back, it does not run)
+        self.replay_writes = writes if declared and kind != _COLLECTIVE else ()
 
 
 _OP_INFO: dict = {}
@@ -181,7 +188,8 @@ def _op_info(func) -> _OpInfo:
                            torch.Tag.nondeterministic_seeded in func.tags)
         else:
             info = _OpInfo(-1, name, _IGNORED, _written_args(func),
-                           view=isinstance(func, OpOverload) and func.is_view)
+                           view=isinstance(func, OpOverload) and func.is_view,
+                           declared=func not in _UNANNOTATED_WRITES)
         _OP_INFO[func] = info
     return info
 
@@ -441,8 +449,7 @@ class _CachingMode(TorchDispatchMode):
             if st.cache is not None:
                 st.cache.watch(out)
             return out
-        st.external.forward_inputs(info.name, args, kwargs, info.writes,
-                                   func not in _UNANNOTATED_WRITES)
+        st.external.forward_inputs(info.name, args, kwargs, info.writes, info.declared)
         rng = None
         if info.seeded and info.kind == _PLAIN and st.cache is not None and (
                 st.policy_fn is not None or not _is_recompute(st.table.policy_for(info.key))):
@@ -524,11 +531,7 @@ class _CachedMode(TorchDispatchMode):
         st = self._state
         if info.kind == _PASSTHROUGH:
             return func(*args, **kwargs)
-        # (declared writes only: the batch norms' writes of their running statistics,
-        # which autograd does not see either, bump no version)
-        writes = info.writes if (info.writes and info.kind != _COLLECTIVE
-                                 and func not in _UNANNOTATED_WRITES) else ()
-        args, kwargs = st.external.recompute_args(info.name, args, kwargs, writes)
+        args, kwargs = st.external.recompute_args(info.name, args, kwargs, info.replay_writes)
         kind = info.kind
         if kind == _COLLECTIVE:
             return st.collectives.replay(func, args, kwargs, _C.backward_keeps_graph())
