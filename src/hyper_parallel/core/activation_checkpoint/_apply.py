@@ -232,6 +232,29 @@ def _plan_strategies(plan, slots: list[LayerSlot]) -> list[str]:
                     f"attribute holding one of those; got {type(plan).__name__}")
 
 
+def _warn_uncovered(plan, slots: list[LayerSlot]) -> None:
+    """Warns when a planner's plan (an object with ``strategies`` and a predicted peak,
+    e.g. an :class:`ActivationPlan`) leaves layers of this model out: it was solved for
+    other layers (a smaller model, another ``layers=``), the layers it does not name run
+    "none", and its predicted peak does not count them. A plain dict naming some layers
+    is the user's own choice and is not warned about."""
+    if not isinstance(plan, LayerPlan) or isinstance(plan, (str, Mapping, Sequence)):
+        return
+    named = plan.strategies
+    if not isinstance(named, Mapping) or getattr(plan, "predicted_peak_bytes", None) is None:
+        return
+    n = len(slots)
+    keys = {k % n if isinstance(k, int) and not isinstance(k, bool) and -n <= k < n else k
+            for k in named}
+    left = [s.name for i, s in enumerate(slots) if i not in keys and s.name not in keys]
+    if left:
+        shown = ", ".join(left[:3]) + (", ..." if len(left) > 3 else "")
+        warn_user(f"hyper_parallel: the plan names {n - len(left)} of the model's {n} layers; "
+                  f"the other {len(left)} ({shown}) run 'none', and the plan's predicted peak "
+                  "does not count them. Plan for this model (plan_activation_memory), or "
+                  "pass the layers= the plan was made with.")
+
+
 def _check_name(value, what: str) -> str:
     if value == "mixed" and what != "plan":
         raise ValueError(f"hyper_parallel: {what} is 'mixed', a whole-model plan (even layers "
@@ -496,6 +519,9 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
         cache, or use a plan without recompute). :func:`remove_activation_memory` removes
         the hooks.
         Validation happens before the model is touched: an error leaves it as it was.
+        A planner's plan (:class:`ActivationPlan`) that does not name every layer found
+        (made for a smaller model, or with another ``layers=``) is applied with a
+        ``UserWarning``: the layers it leaves out run "none", outside its prediction.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"hyper_parallel: apply_activation_memory expects an nn.Module, got "
@@ -504,6 +530,7 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     check_flag("apply_activation_memory", "group_swap", group_swap)
     slots = resolve_layer_slots(model, layers)
     strategies = _plan_strategies(plan, slots)
+    _warn_uncovered(plan, slots)
     op_policy, tensor_policy = _split_policy(policy_fn, strategies)
     depth = getattr(plan, "prefetch_depth", None) if isinstance(plan, LayerPlan) else None
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)

@@ -118,6 +118,25 @@ def test_swap_only_plan_trains_bitwise_like_none(profiled):
             p.grad = None
 
 
+def test_a_plan_for_fewer_layers_warns_when_applied_to_more(profiled, recwarn):
+    """A planner's plan applied to a model with layers it does not name (made for a
+    smaller model): those layers run "none" and its predicted peak misses them, so the
+    apply warns. The model it was made for, and a user's dict naming some layers, do not."""
+    _, _, prof = profiled
+    plan = prof.plan(int(0.6 * prof.none_peak_bytes))
+    bigger, _ = _setup(layers=6)
+    with pytest.warns(UserWarning, match=r"names 4 of the model's 6 layers; the other 2 "
+                                         r"\(layers\.4, layers\.5\) run 'none'"):
+        apply_activation_memory(bigger, plan)
+    remove_activation_memory(bigger)
+    same, _ = _setup(layers=4)
+    apply_activation_memory(same, ActivationPlan.from_json(plan.to_json()))
+    remove_activation_memory(same)
+    apply_activation_memory(bigger, {"layers.0": "checkpoint"})
+    remove_activation_memory(bigger)
+    assert not [w for w in recwarn if "names" in str(w.message)]
+
+
 def test_infeasible_budget_names_smallest_peak(profiled):
     _, _, prof = profiled
     with pytest.raises(InfeasibleBudgetError, match="hyper_parallel: no plan") as err:
