@@ -324,7 +324,9 @@ def _argument(args: tuple, kwargs: dict, name: str, index: int | None):
 class _TrainingForwardGuard:
     """Forward pre-hook of an applied plan on a transformers module whose forward takes
     ``use_cache`` (the model and its base model, not the modules inside the layers). In a
-    training forward (training mode, grad on) it
+    training forward (training mode, grad on), and under a plan that recomputes in any
+    forward with grad on (an eval-mode model differentiated: input gradients, saliency,
+    dropout-free fine-tuning; the layers recompute whatever the mode), it
 
     * refuses Hugging Face gradient checkpointing turned on after the plan was applied
       (transformers would then recompute the layers inside hyper_parallel's wrappers);
@@ -335,7 +337,8 @@ class _TrainingForwardGuard:
       recomputed layer would append them twice). An explicit ``use_cache=True`` is warned
       about once. ``config.use_cache`` itself is never edited.
 
-    Eval and no-grad forwards are left alone (they keep the cache)."""
+    No-grad forwards are left alone (they keep the cache), and so are eval-mode forwards
+    under a plan that recomputes nothing."""
 
     def __init__(self, model: nn.Module, module: nn.Module, recomputing: list[str],
                  hf_flags: list[tuple[str, nn.Module]]):
@@ -346,11 +349,11 @@ class _TrainingForwardGuard:
         self.cache_indices = {n: _positional_index(module, n) for n in _CACHE_ARGS}
 
     def __call__(self, module, args, kwargs):
-        if not (module.training and torch.is_grad_enabled()):
+        if not torch.is_grad_enabled() or not (module.training or self.recomputing):
             return None
         on = [name for name, m in self.hf_flags
               if m.__dict__.get("gradient_checkpointing") is True]
-        if on:
+        if on and module.training:  # (transformers recomputes in training mode only)
             raise ValueError(
                 f"hyper_parallel: Hugging Face gradient checkpointing was turned on in "
                 f"{self.model_name} (in {on[0]}{' and others' if len(on) > 1 else ''}) after "
@@ -363,25 +366,25 @@ class _TrainingForwardGuard:
                 if _argument(args, kwargs, name, index) is not None:
                     more = " and others" if len(self.recomputing) > 1 else ""
                     raise ValueError(
-                        f"hyper_parallel: a KV cache ({name}=) was passed to a training forward "
-                        f"of {type(module).__name__} under a plan that recomputes layers "
+                        f"hyper_parallel: a KV cache ({name}=) was passed to a forward with "
+                        f"grad on of {type(module).__name__} under a plan that recomputes layers "
                         f"({self.recomputing[0]}{more}): the recompute in backward would "
                         "append each layer's keys and values to the cache a second time, "
                         "which is not supported. Pass no cache to "
-                        "training forwards (feed the prefix's tokens in the same forward), run "
-                        "the cached forward under torch.no_grad() or in eval mode, or use a plan "
+                        "forwards you differentiate (feed the prefix's tokens in the same "
+                        "forward), run the cached forward under torch.no_grad(), or use a plan "
                         "whose layers do not recompute ('swap').")
         value = _argument(args, kwargs, "use_cache", self.use_cache_index)
         if value is False:
             return None
         if value:
             _warn_once("use_cache_arg", (
-                f"hyper_parallel: use_cache=True passed to a training forward of "
+                f"hyper_parallel: use_cache=True passed to a forward with grad on of "
                 f"{type(module).__name__} is ignored (set to False), as transformers' gradient "
                 "checkpointing does: under an activation-memory plan the KV cache would keep "
                 "every layer's keys and values on the device beside the plan (and a recomputed "
-                "layer would append them a second time). Use the cache in eval mode or under "
-                "torch.no_grad()."))
+                "layer would append them a second time). Use the cache under "
+                "torch.no_grad() (generate() does)."))
         if "use_cache" not in kwargs and self.use_cache_index is not None \
                 and self.use_cache_index < len(args):
             args = args[:self.use_cache_index] + (False,) + args[self.use_cache_index + 1:]
@@ -509,13 +512,15 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
         on) runs without a KV cache, as transformers' own gradient checkpointing does: it
         passes ``use_cache=False`` (an explicit ``use_cache=True`` is warned about once).
         Without it the cache would hold every layer's keys and values on the device beside
-        the plan, and a recomputed layer would append them a second time. Eval and no-grad
-        forwards keep the cache. ``config.use_cache`` is never edited (``save_pretrained``
+        the plan, and a recomputed layer would append them a second time. Under a plan
+        that recomputes, an eval-mode forward with grad on is treated the same (the layers
+        recompute whatever the mode). No-grad forwards, and eval forwards under a plan that
+        recomputes nothing, keep the cache. ``config.use_cache`` is never edited (``save_pretrained``
         writes the config as it was). The same hook raises ``ValueError`` at a training
         forward when Hugging Face gradient checkpointing was turned on after the plan was
         applied (``model.gradient_checkpointing_disable()``, or remove the plan first), and
-        when a KV cache (``cache=``/``past_key_values=``) is passed to a training forward
-        under a plan that recomputes (the recompute would append to it twice; pass no
+        when a KV cache (``cache=``/``past_key_values=``) is passed to a forward with grad
+        on under a plan that recomputes (the recompute would append to it twice; pass no
         cache, or use a plan without recompute). :func:`remove_activation_memory` removes
         the hooks.
         Validation happens before the model is touched: an error leaves it as it was.

@@ -220,7 +220,7 @@ def test_explicit_use_cache_in_a_training_forward_is_turned_off(attn):
     ref.train()
     model.train()
     ref(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
-    with pytest.warns(UserWarning, match="hyper_parallel: use_cache=True passed to a training"):
+    with pytest.warns(UserWarning, match="hyper_parallel: use_cache=True passed to a forward with grad on"):
         out = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=True)
     out.loss.backward()
     assert getattr(out, "past_key_values", None) is None
@@ -233,6 +233,47 @@ def test_explicit_use_cache_in_a_training_forward_is_turned_off(attn):
     assert cached.past_key_values.get_seq_length() == 10
     assert remove_activation_memory(model)
     assert not model._forward_pre_hooks and not model.model._forward_pre_hooks
+
+
+@pytest.mark.parametrize("arch", ["llama", "t5"])
+def test_an_eval_mode_forward_with_grad_under_a_recomputing_plan_builds_no_cache(arch):
+    # An eval-mode model differentiated (input gradients, dropout-free fine-tuning): the
+    # layers recompute whatever the mode, so the KV cache transformers builds in eval mode
+    # was appended to a second time by the recompute (Llama with a padding mask: a shape
+    # error in backward; T5: CheckpointError, 51 vs 47 tensors; tester, session 19). Such
+    # forwards now run without the cache, as training forwards do: gradients bitwise those
+    # of the plain model with use_cache=False. A plan that recomputes nothing leaves an
+    # eval forward's cache alone.
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if arch == "llama":
+        ref = tf.LlamaForCausalLM(tf.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2))
+    else:
+        ref = tf.T5ForConditionalGeneration(tf.T5Config(
+            vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+            num_heads=4, decoder_start_token_id=0, pad_token_id=0))
+    ids = torch.randint(3, 64, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ref.eval()
+    ref(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+    for plan in ("checkpoint", "selective", "swap"):
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            apply_activation_memory(model, plan)
+        model.eval()
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        if plan == "swap":  # recomputes nothing: the eval forward keeps its cache
+            assert out.past_key_values is not None
+            continue
+        assert getattr(out, "past_key_values", None) is None, plan
+        for p, q in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad), plan
 
 
 def tiny_llama(layers=4, device="cpu", **config):
@@ -284,7 +325,7 @@ def test_swap_plans_train_without_a_kv_cache(plan, dev):
     assert runs[True] == runs[False]
     # An explicit use_cache=True in a training forward is turned off too, warned once.
     model.zero_grad(set_to_none=True)
-    with pytest.warns(UserWarning, match="hyper_parallel: use_cache=True passed to a training"):
+    with pytest.warns(UserWarning, match="hyper_parallel: use_cache=True passed to a forward with grad on"):
         out, stats, grads = _step_stats(model, ids, use_cache=True)
     assert out.cache is None and stats == runs[False]
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
@@ -362,8 +403,9 @@ def test_a_kv_cache_in_a_training_forward_of_a_recomputing_plan_is_refused(plan,
         prefix = model(input_ids=ids[:, :6], use_cache=True).cache
     tail = ids[:, 6:]
     with pytest.raises(ValueError, match=r"^hyper_parallel: a KV cache \((cache|past_key_values)"
-                       r"=\) was passed to a training forward of LlamaForCausalLM under a plan "
-                       r"that recomputes layers.*Pass no cache to training forwards"):
+                       r"=\) was passed to a forward with grad on of LlamaForCausalLM under a "
+                       r"plan that recomputes layers.*Pass no cache to forwards you "
+                       r"differentiate"):
         if by == "positional":
             model(tail, None, None, prefix, None, tail)
         else:
