@@ -65,23 +65,82 @@ ExternalReads::Read* ExternalReads::find(const at::Tensor& t) {
   return &it->second;
 }
 
-void ExternalReads::note(const at::Tensor& t, int64_t op_key) {
+void ExternalReads::note(const at::Tensor& t, int64_t op_key, const void* op) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (produced_.count(impl)) return;
   auto it = reads_.find(impl);
-  if (it != reads_.end() && !it->second.ref.expired()) return;
+  if (it != reads_.end() && !it->second.ref.expired()) {
+    // (an in-place op's output is the tensor itself, in produced_ since: it is still one
+    // of the region's external tensors)
+    if (it->second.ref._unsafe_get_target() == impl) again(it->second, impl, t, op);
+    return;
+  }
+  if (produced_.count(impl)) return;
   Read r(t);
   r.version = t._version();
   r.op_key = op_key;
+  r.ops.push_back(op);
   if (r.storage != nullptr) by_storage_[r.storage].push_back(impl);
   reads_.insert_or_assign(impl, std::move(r));
 }
 
-void ExternalReads::forward_inputs(int64_t op_key, c10::ArrayRef<c10::IValue> args,
+void ExternalReads::again(Read& rec, const c10::TensorImpl* impl, const at::Tensor& t,
+                          const void* op) {
+  const c10::StorageImpl* storage = t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+  if (storage != rec.storage) {
+    // Its storage was replaced in the forward (`p.data = ...`, a lazy module's
+    // materialization): no op did it, so the index moves with it and the recompute can
+    // only start from the value the forward left (follow()).
+    if (auto old = by_storage_.find(rec.storage); old != by_storage_.end()) {
+      auto& v = old->second;
+      v.erase(std::remove(v.begin(), v.end(), impl), v.end());
+    }
+    rec.storage = storage;
+    if (storage != nullptr) by_storage_[storage].push_back(impl);
+    rec.replaced_at = static_cast<int64_t>(rec.ops.size());
+    rec.settled = rec.ops.size();
+    ++rec.writes;
+  }
+  rec.ops.push_back(op);
+}
+
+void ExternalReads::forward_inputs(int64_t op_key, const void* op,
+                                   c10::ArrayRef<c10::IValue> args,
                                    const std::vector<int>& writes,
-                                   const std::vector<int>& declared) {
+                                   const std::vector<int>& declared, bool view) {
   if (forward_over_) return;
-  for (const auto& v : args) for_tensors(v, [&](const at::Tensor& t) { note(t, op_key); });
+  for (const auto& v : args) for_tensors(v, [&](const at::Tensor& t) { note(t, op_key, op); });
+  if (!view) {
+    // The index of each external tensor's first access that reads its value: not a view
+    // op, not an argument the op declares it writes (the batch norms' undeclared writes of
+    // their running statistics read them too, and write nothing in eval mode); through a
+    // view the region made of it too.
+    c10::SmallVector<const c10::TensorImpl*, 4> written;
+    for (int i : declared) {
+      if (i >= 0 && static_cast<size_t>(i) < args.size()) {
+        for_tensors(args[static_cast<size_t>(i)],
+                    [&](const at::Tensor& t) { written.push_back(t.unsafeGetTensorImpl()); });
+      }
+    }
+    for (const auto& v : args) {
+      for_tensors(v, [&](const at::Tensor& t) {
+        const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+        if (std::find(written.begin(), written.end(), impl) != written.end()) return;
+        if (Read* rec = find(t)) {
+          rec->last_read = static_cast<int64_t>(rec->ops.size()) - 1;  // (this access)
+          if (rec->first_read < 0) rec->first_read = rec->last_read;
+          return;
+        }
+        const auto alias = alias_of_.find(impl);
+        if (alias == alias_of_.end()) return;
+        const auto it = reads_.find(alias->second);
+        if (it != reads_.end()) {
+          Read& root = it->second;
+          root.last_read = static_cast<int64_t>(root.ops.size());  // (the next index)
+          if (root.first_read < 0) root.first_read = root.last_read;
+        }
+      });
+    }
+  }
   for (int i : writes) {
     if (i >= 0 && static_cast<size_t>(i) < args.size()) {
       const bool is_declared = std::find(declared.begin(), declared.end(), i) != declared.end();
@@ -103,11 +162,21 @@ void ExternalReads::before_write(const at::Tensor& t, bool declared) {
     Read& rec = it->second;
     if (rec.storage != storage) continue;
     if (declared) rec.declared = true;
-    if (rec.snap != Snap::kNone && rec.snap != Snap::kValue) continue;
+    // (accesses from the next one on see the value after this write; the current op's
+    // access, when it is one of the tensor's, was noted before)
+    rec.settled = rec.ops.size();
+    ++rec.writes;
     auto p = rec.ref.lock();
     if (!p) continue;
     const at::Tensor u(std::move(p));
     if (!u.has_storage() || u.storage().unsafeGetStorageImpl() != storage) continue;
+    // The value before each write (Read::steps), for a recompute that goes another way.
+    if (rec.steps.empty() ||
+        (rec.steps.back().first != rec.settled && rec.steps.back().second.defined())) {
+      rec.steps.emplace_back(rec.settled,
+                             rec.steps.size() < kMaxSteps ? copy_of(u) : at::Tensor());
+    }
+    if (rec.snap != Snap::kNone && rec.snap != Snap::kValue) continue;
     // Through itself, or a view or alias of it the region made (the recompute makes it
     // again from u's copy), the recompute replays the write on u's copy; through another
     // tensor (its base, a view made outside) it does not: end_forward() checks the value.
@@ -122,7 +191,9 @@ void ExternalReads::before_write(const at::Tensor& t, bool declared) {
     if (rec.snap == Snap::kValue) {
       rec.by_other = rec.by_other || other;
     } else if (u._version() == rec.version) {
-      rec.snapshot = copy_of(u);
+      const auto& first = rec.steps.front();
+      rec.snapshot = first.first == rec.settled && first.second.defined() ? first.second
+                                                                           : copy_of(u);
       rec.snap = Snap::kValue;
       rec.by_other = other;
     } else {
@@ -157,6 +228,7 @@ void ExternalReads::end_forward() {
   produced_.rehash(0);
   alias_of_.clear();
   for (auto& [impl, rec] : reads_) {
+    if (auto p = rec.ref.lock()) rec.end_version = p->version_counter().current_version();
     if (rec.snap == Snap::kValue && rec.by_other) {
       auto p = rec.ref.lock();
       if (p && !same_bits(at::Tensor(std::move(p)), rec.snapshot)) {
@@ -214,6 +286,7 @@ std::string ExternalReads::overlapped_message(const at::Tensor& t) const {
 
 void ExternalReads::begin_recompute() {
   shadows_.clear();
+  cursor_.clear();
   for (auto& [impl, rec] : reads_) {
     if (rec.snap == Snap::kValue || rec.snap == Snap::kLost) continue;
     auto p = rec.ref.lock();
@@ -234,9 +307,89 @@ void ExternalReads::begin_recompute() {
   }
 }
 
-at::Tensor ExternalReads::resolve(const at::Tensor& t, int64_t op_key) {
+std::string ExternalReads::ambiguous_message(const at::Tensor& t, const std::string& op) const {
+  return "the recompute of a checkpoint region took another path than its forward and reads " +
+         name(t) + " (in " + op + ") where the forward read it at several points with "
+         "different values in between (it modified it), so which value this read needs "
+         "cannot be told. The region's control flow depends on state outside its tensors (a "
+         "Python flag changed by its first call?): keep that state the same for the "
+         "recompute, run the first call outside checkpoint, or move the writes out of the "
+         "checkpointed function.";
+}
+
+const at::Tensor* ExternalReads::value_at(const Read& rec, size_t j) {
+  for (const auto& step : rec.steps) {
+    if (j < step.first) return &step.second;
+  }
+  return nullptr;
+}
+
+bool ExternalReads::take(Read& rec, const at::Tensor& t, const std::string& op, size_t j,
+                         std::optional<size_t> pos) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  const at::Tensor* value = value_at(rec, j);
+  if (pos && shadows_.count(impl) && value == value_at(rec, *pos)) {
+    return true;  // (the skipped accesses wrote nothing: the copy holds it already)
+  }
+  HP_CHECK(value == nullptr || value->defined(), "the recompute of a checkpoint region took "
+           "another path than its forward and reads ", name(t), " (in ", op, ") where the "
+           "forward had modified it more than ", kMaxSteps, " times, so the value that read "
+           "saw was not kept. The region's control flow depends on state outside its tensors "
+           "(a Python flag changed by its first call?): keep that state the same for the "
+           "recompute, run the first call outside checkpoint, or move the writes out of the "
+           "checkpointed function.");
+  if (value == nullptr) {
+    HP_CHECK(t._version() == rec.end_version &&
+                 (t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr) == rec.storage,
+             modified_message(t, rec.op_key, rec.end_version));
+  }
+  const at::Tensor& from = value != nullptr ? *value : t;
+  auto it = shadows_.find(impl);
+  if (it == shadows_.end()) {
+    shadows_.emplace(impl, copy_of(from));
+  } else {
+    c10::AutoGradMode no_grad(false);
+    it->second.copy_(from.detach());
+  }
+  return true;
+}
+
+bool ExternalReads::follow(Read& rec, const at::Tensor& t, int64_t op_key, const void* op) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  size_t& pos = cursor_[impl];
+  const auto& ops = rec.ops;
+  if (pos < ops.size() && ops[pos] == op) {
+    HP_CHECK(rec.replaced_at < 0 || static_cast<int64_t>(pos) >= rec.replaced_at,
+             "the recompute of a checkpoint region reads ", name(t), " (in ", op_label(op_key),
+             ") as its forward did before replacing the tensor's storage (`.data = ...`), "
+             "which the recompute cannot replay. Replace it outside the checkpointed function "
+             "(or with an in-place op: copy_), or run one forward outside checkpoint first "
+             "(lazy modules).");
+    ++pos;
+    return false;
+  }
+  size_t first = ops.size(), last = ops.size();
+  for (size_t i = pos; i < ops.size(); ++i) {
+    if (ops[i] != op) continue;
+    if (first == ops.size()) first = i;
+    last = i;
+  }
+  if (first == ops.size()) {  // an access the forward never made: the copy's value, as before
+    pos = ops.size();
+    return false;
+  }
+  HP_CHECK(value_at(rec, first) == value_at(rec, last), ambiguous_message(t, op_label(op_key)));
+  const size_t was = pos;
+  pos = first + 1;
+  return take(rec, t, op_label(op_key), first, was);
+}
+
+at::Tensor ExternalReads::resolve(const at::Tensor& t, int64_t op_key, const void* op) {
   Read* rec = find(t);
   if (rec == nullptr) return t;
+  if (rec->writes > 0 && follow(*rec, t, op_key, op)) {
+    return shadows_.at(t.unsafeGetTensorImpl());
+  }
   switch (rec->snap) {
     case Snap::kNone:
       HP_CHECK(t._version() == rec->version, modified_message(t, op_key, rec->version));
@@ -269,10 +422,31 @@ std::vector<at::Tensor> ExternalReads::written_tensors() const {
   return out;
 }
 
+bool ExternalReads::skipped_to_save(Read& rec, const at::Tensor& t) {
+  // The op saving `t` reads its value where the forward's first access did not: the
+  // recompute skipped the forward's accesses before its first read (see follow()), and the
+  // copy takes the value that read saw.
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  const auto c = cursor_.find(impl);
+  if ((c != cursor_.end() && c->second != 0) || rec.first_read <= 0) {
+    return false;  // (accessed already, or the forward read it first too, or never)
+  }
+  const auto first = static_cast<size_t>(rec.first_read);
+  HP_CHECK(value_at(rec, first) == value_at(rec, static_cast<size_t>(rec.last_read)),
+           ambiguous_message(t, "an op saving it"));
+  cursor_[impl] = first;
+  return take(rec, t, "an op saving it", first, std::nullopt);
+}
+
 ExternalReads::Save ExternalReads::recompute_save(const at::Tensor& t) {
   Save out{t, false};
   if (!t.defined() || reads_.empty()) return out;
   Read* rec = find(t);
+  if (rec != nullptr && rec->writes > 0 && skipped_to_save(*rec, t)) {
+    out.tensor = shadows_.at(t.unsafeGetTensorImpl());
+    out.watch = true;
+    return out;
+  }
   // (written only by the batch norms' undeclared writes: saved as itself, as plain autograd
   // saves it; a later such write, which bumps no version, would change a copy saved instead)
   if (rec != nullptr && rec->snap == Snap::kValue && rec->declared) {
@@ -295,10 +469,11 @@ ExternalReads::Save ExternalReads::recompute_save(const at::Tensor& t) {
   return out;
 }
 
-void ExternalReads::recompute_args(int64_t op_key, std::vector<c10::IValue>& stack, size_t n,
+void ExternalReads::recompute_args(int64_t op_key, const void* op,
+                                   std::vector<c10::IValue>& stack, size_t n,
                                    const std::vector<int>& writes) {
   if (reads_.empty()) return;
-  resolve_args(op_key, stack, n);
+  resolve_args(op_key, op, stack, n);
   if (writes.empty() || shadows_.empty()) return;
   auto bump_if_copy = [this](const at::Tensor& t) {
     if (!t.defined()) return;
@@ -321,14 +496,15 @@ void ExternalReads::recompute_args(int64_t op_key, std::vector<c10::IValue>& sta
   }
 }
 
-void ExternalReads::resolve_args(int64_t op_key, std::vector<c10::IValue>& stack, size_t n) {
+void ExternalReads::resolve_args(int64_t op_key, const void* op, std::vector<c10::IValue>& stack,
+                                 size_t n) {
   for (size_t i = stack.size() - n; i < stack.size(); ++i) {
     const c10::IValue v = stack[i];
     c10::IValue& slot = stack[i];
     if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();
       if (!t.defined()) continue;
-      at::Tensor r = resolve(t, op_key);
+      at::Tensor r = resolve(t, op_key, op);
       if (!r.is_same(t)) slot = std::move(r);
     } else if (v.isTensorList()) {
       auto list = v.toTensorList();
@@ -336,7 +512,7 @@ void ExternalReads::resolve_args(int64_t op_key, std::vector<c10::IValue>& stack
       bool changed = false;
       out.reserve(list.size());
       for (const at::Tensor& t : list) {
-        at::Tensor r = t.defined() ? resolve(t, op_key) : t;
+        at::Tensor r = t.defined() ? resolve(t, op_key, op) : t;
         changed |= !r.is_same(t);
         out.push_back(std::move(r));
       }
@@ -351,7 +527,7 @@ void ExternalReads::resolve_args(int64_t op_key, std::vector<c10::IValue>& stack
       bool changed = false;
       for (const c10::IValue& u : list) {
         if (u.isTensor() && u.toTensor().defined()) {
-          at::Tensor r = resolve(u.toTensor(), op_key);
+          at::Tensor r = resolve(u.toTensor(), op_key, op);
           changed |= !r.is_same(u.toTensor());
           out.push_back(std::move(r));
         } else {
@@ -364,3 +540,5 @@ void ExternalReads::resolve_args(int64_t op_key, std::vector<c10::IValue>& stack
 }
 
 }  // namespace hyper_parallel::activation
+
+

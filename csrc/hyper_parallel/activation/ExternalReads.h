@@ -36,6 +36,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -54,8 +55,12 @@ class ExternalReads {
   // `writes` are about to write.
   // `declared`: the positions of `writes` the op's schema declares (Tensor(a!): autograd
   // bumps the version), not the batch norms' writes of their running statistics.
-  void forward_inputs(int64_t op_key, c10::ArrayRef<c10::IValue> args,
-                      const std::vector<int>& writes, const std::vector<int>& declared);
+  // `op`: the operator's identity (its schema's address), for following where the
+  // recompute goes another way (follow()).
+  // `view`: the op returns a view of its first argument (it reads no value).
+  void forward_inputs(int64_t op_key, const void* op, c10::ArrayRef<c10::IValue> args,
+                      const std::vector<int>& writes, const std::vector<int>& declared,
+                      bool view = false);
   // After the op ran: its outputs are the region's own tensors. `source`: for a view op,
   // the argument they view (or alias: detach). A view the region made of an external
   // tensor, directly or through such views, counts as that tensor for a write (its
@@ -78,8 +83,16 @@ class ExternalReads {
   // copy at a position of `writes` (the op writes it) has its version bumped, as autograd
   // bumps the tensor it sees (the real one, above the redirection): a value saved from
   // the copy before this write then shows the write (recompute_save's `watch`).
-  void recompute_args(int64_t op_key, std::vector<c10::IValue>& stack, size_t n,
-                      const std::vector<int>& writes = {});
+  // `op` as for forward_inputs(). Where the recompute's accesses of a tensor the forward
+  // changed stop matching the forward's (its control flow depends on state outside
+  // tensors: a Python flag set by the call that initialized the tensor, a lazy module
+  // materialized in its first forward), the access is matched to the forward's later ones
+  // by the same op; when they all saw one value (no write between them), the copy takes
+  // it, in place (kept before each write, Read::steps, or the value the forward left, as
+  // torch's checkpoint reads it); otherwise it throws (which value is meant cannot be
+  // told, or it was not kept).
+  void recompute_args(int64_t op_key, const void* op, std::vector<c10::IValue>& stack,
+                      size_t n, const std::vector<int>& writes = {});
 
   // Recompute: what autograd must save in place of `t`, which an op of the recompute is
   // about to save for backward (called from a saved-tensor pack hook, before the op runs),
@@ -123,15 +136,52 @@ class ExternalReads {
     // writes of their running statistics (recompute_save() saves those as themselves).
     bool declared = false;
     int64_t op_key = -1;  // the op that read it first
+    // The operators that took it as an argument, in forward order (its accesses); those
+    // from index `settled` on saw the value the forward left (no write of any kind after
+    // them). `writes`: writes of any kind. `replaced_at`: the access before which the
+    // forward replaced its storage (`.data = ...`, which no op does; -1: never).
+    std::vector<const void*> ops;
+    size_t settled = 0;
+    int64_t writes = 0;
+    int64_t replaced_at = -1;
+    uint32_t end_version = 0;  // its version when the forward ended
+    // The index of its first and last access that read its value (not a view op, not a
+    // declared write of it; through a view the region made of it: the next index), -1:
+    // none.
+    int64_t first_read = -1;
+    int64_t last_read = -1;
+    // Per write of the forward, (b, value before it): accesses before index b saw that
+    // value (at most kMaxSteps; then an undefined tensor: not kept).
+    std::vector<std::pair<size_t, at::Tensor>> steps;
   };
+  static constexpr size_t kMaxSteps = 8;
 
-  void note(const at::Tensor& t, int64_t op_key);
+  void note(const at::Tensor& t, int64_t op_key, const void* op);
+  // A later access of an external tensor (a storage replaced since is followed).
+  void again(Read& rec, const c10::TensorImpl* impl, const at::Tensor& t, const void* op);
+  // Recompute: whether this access of `t` (written by the forward) reads the copy holding
+  // the value the forward left; see recompute_args().
+  bool follow(Read& rec, const at::Tensor& t, int64_t op_key, const void* op);
+  // Recompute, from the pack hook (before the op reaches follow(), and maybe the last op
+  // before early stop): whether `t`, not accessed yet in this pass, is saved where the
+  // forward first wrote it (the recompute skipped those writes), and the copy then holds
+  // the value the forward left.
+  bool skipped_to_save(Read& rec, const at::Tensor& t);
+  // The value the forward's access `j` of `rec` saw: a kept one (undefined: not kept), or
+  // nullptr for the value the forward left.
+  static const at::Tensor* value_at(const Read& rec, size_t j);
+  // Puts that value in `t`'s private copy (in place when it has one), unless `pos` (the
+  // access the recompute was at) saw the same one; throws where it was not kept or `t`
+  // changed since the forward. Returns true.
+  bool take(Read& rec, const at::Tensor& t, const std::string& op, size_t j,
+            std::optional<size_t> pos);
+  std::string ambiguous_message(const at::Tensor& t, const std::string& op) const;
   void before_write(const at::Tensor& t, bool declared);
   Read* find(const at::Tensor& t);
   // `t` as the recompute must read it (itself, or the private copy); throws as documented.
-  at::Tensor resolve(const at::Tensor& t, int64_t op_key);
+  at::Tensor resolve(const at::Tensor& t, int64_t op_key, const void* op);
   // recompute_args() without the version bumps.
-  void resolve_args(int64_t op_key, std::vector<c10::IValue>& stack, size_t n);
+  void resolve_args(int64_t op_key, const void* op, std::vector<c10::IValue>& stack, size_t n);
   std::string name(const at::Tensor& t) const;
   std::string modified_message(const at::Tensor& t, int64_t op_key, uint32_t version) const;
   std::string overlapped_message(const at::Tensor& t) const;
@@ -147,6 +197,9 @@ class ExternalReads {
   std::unordered_map<const c10::TensorImpl*, const c10::TensorImpl*> alias_of_;
   bool forward_over_ = false;
   std::unordered_map<const c10::TensorImpl*, at::Tensor> shadows_;
+  // Recompute, per pass: the index of the next forward access of each tensor the forward
+  // changed (follow()).
+  std::unordered_map<const c10::TensorImpl*, size_t> cursor_;
 };
 
 }  // namespace hyper_parallel::activation

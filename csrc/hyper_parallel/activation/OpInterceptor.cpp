@@ -268,6 +268,11 @@ void SacRegion::exit() {
   }
 }
 
+ExternalReads::Save SacRegion::recompute_save(const at::Tensor& t) {
+  c10::impl::ExcludeDispatchKeyGuard no_reentry(kKey);
+  return external_.recompute_save(t);
+}
+
 void SacRegion::end_forward() {
   c10::impl::ExcludeDispatchKeyGuard no_reentry(kKey);  // its value checks are not region ops
   external_.end_forward();
@@ -310,8 +315,8 @@ void SacRegion::forward(const c10::OperatorHandle& op, const OpFacts& facts,
   g_intercepted.fetch_add(1, std::memory_order_relaxed);
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
-  external_.forward_inputs(facts.key, torch::jit::last(*stack, nargs), facts.writes,
-                           facts.declared_writes);
+  external_.forward_inputs(facts.key, &schema, torch::jit::last(*stack, nargs), facts.writes,
+                           facts.declared_writes, facts.view_of_first);
   if (facts.kind == OpKind::kCollective && collective_) {
     ++python_calls_;
     collective_(op, stack, false);
@@ -377,7 +382,7 @@ void SacRegion::recompute(const c10::OperatorHandle& op, const OpFacts& facts,
   // Declared writes only: the batch norms' writes of their running statistics are not
   // autograd's either, so they bump no version (ExternalReads::recompute_args).
   static const std::vector<int> kNone;
-  external_.recompute_args(facts.key, *stack, nargs,
+  external_.recompute_args(facts.key, &schema, *stack, nargs,
                            facts.kind == OpKind::kCollective ? kNone : facts.declared_writes);
   if (facts.kind == OpKind::kCollective && collective_) {
     ++python_calls_;

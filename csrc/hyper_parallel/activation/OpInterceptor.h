@@ -112,7 +112,8 @@ class SacRegion {
   int64_t written() const { return external_.written(); }
   // Recompute: what a saved-tensor pack hook must save in place of `t` (see
   // ExternalReads::recompute_save).
-  ExternalReads::Save recompute_save(const at::Tensor& t) { return external_.recompute_save(t); }
+  // (its copies run with the interception key excluded: they are not the region's ops)
+  ExternalReads::Save recompute_save(const at::Tensor& t);
   std::vector<at::Tensor> written_tensors() const { return external_.written_tensors(); }
   // checkpoint_exclude_wrapper: ops of the forward pass through while > 0.
   void add_excluding(int delta) { excluding_ += delta; }

@@ -37,10 +37,13 @@ _Tensor = torch.Tensor
 _LOST = object()  # written in forward after another write changed it: value unknown
 _UNDECLARED = object()  # written in forward by an op whose schema does not say so
 _OVERLAPPED = object()  # changed in forward by a write through another tensor of its storage
+_MAX_STEPS = 8  # values kept per external tensor before its writes (_Read.steps)
 
 
 class _Read:
-    __slots__ = ("ref", "version", "snapshot", "op", "storage", "by_other", "declared")
+    __slots__ = ("ref", "version", "snapshot", "op", "storage", "by_other", "declared", "ops",
+                 "settled", "end_version", "replaced_at", "writes", "first_read", "last_read",
+                 "steps")
 
     def __init__(self, tensor, op: str) -> None:
         self.ref = weakref.ref(tensor)
@@ -53,6 +56,23 @@ class _Read:
         # written by an op that declares the write (autograd bumps the version), not only by
         # the batch norms' writes of their running statistics, which autograd does not see
         self.declared = False
+        # The ops that took it as an argument, in forward order (its accesses), so that the
+        # recompute can tell where it follows another path (_Replay): accesses from index
+        # `settled` on saw the value the forward left (no write of any kind after them).
+        self.ops = [op]
+        self.settled = 0
+        self.writes = 0
+        # the index of its first access that read its value (not a view op, not a write of
+        # it; through a view the region made of it too), or None
+        self.first_read = None
+        self.last_read = None  # (and of its last one)
+        # per write of the forward, (b, value before it): accesses before index b saw that
+        # value (at most _MAX_STEPS; then _LOST), for _value_at
+        self.steps = []
+        self.end_version = None  # its version when the forward ended
+        # the access before which the forward replaced its storage (`.data = ...`, which
+        # no op does and the recompute cannot replay), or None
+        self.replaced_at = None
 
 
 def _storage_key(t):
@@ -118,7 +138,8 @@ class ExternalTensors:
             messages (e.g. ``"buffer 'bn.running_mean'"``), or ``None``.
     """
 
-    __slots__ = ("_reads", "_produced", "_shadows", "_describe", "_by_storage", "_alias_of")
+    __slots__ = ("_reads", "_produced", "_shadows", "_describe", "_by_storage", "_alias_of",
+                 "_cursor", "_busy")
 
     def __init__(self, describe=None) -> None:
         self._reads: dict = {}
@@ -130,34 +151,97 @@ class ExternalTensors:
         # through other such views: id -> the external tensor's id
         self._alias_of: dict = {}
         self._shadows: dict = {}
+        # recompute, per pass: for each external tensor the forward changed, the index of
+        # its next access in the forward's list (`_Read.ops`; see `_follow`)
+        self._cursor: dict = {}
+        # True while this object copies a tensor itself: the recompute's dispatch mode sees
+        # those ops too, and they must read the tensor as it is
+        self._busy = False
         self._describe = describe
 
     # ------------------------------------------------------------------ forward
-    def forward_inputs(self, op: str, args, kwargs, writes, declared: bool = True) -> None:
+    def forward_inputs(self, op: str, args, kwargs, writes, declared: bool = True,
+                       view: bool = False) -> None:
         """Before an op of the forward runs: notes external inputs, and keeps the value of
         each external tensor that argument positions ``writes`` are about to write.
         ``declared``: the op's schema declares those writes (False for the batch norms'
-        running statistics)."""
+        running statistics); ``view``: the op returns a view of its first argument (it
+        reads no value)."""
         reads, produced = self._reads, self._produced
         if produced is None:
             return
         for t in iter_tensors(args):
             key = id(t)
-            if key not in reads and key not in produced:
+            rec = reads.get(key)
+            if rec is not None:
+                self._again(rec, t, op)
+            elif key not in produced:
                 self._note(key, t, op)
         if kwargs:
             for t in iter_tensors(kwargs.values()):
                 key = id(t)
-                if key not in reads and key not in produced:
+                rec = reads.get(key)
+                if rec is not None:
+                    self._again(rec, t, op)
+                elif key not in produced:
                     self._note(key, t, op)
+        if not view:
+            # (the batch norms' undeclared writes of their running statistics read them too,
+            # and write nothing in eval mode)
+            self._value_reads(args, kwargs, writes if declared else ())
         if writes:
             for t in iter_tensors(tuple(written_targets(args, kwargs, writes))):
                 self._before_write(t, declared)
+
+    def _value_reads(self, args, kwargs, writes) -> None:
+        """Notes, for the external tensors this op reads the value of (directly or through
+        a view the region made of them, and not as an argument at a position of ``writes``),
+        the index of their first such access."""
+        written = {id(t) for t in iter_tensors(tuple(written_targets(args, kwargs, writes)))} \
+            if writes else ()
+        reads, alias_of = self._reads, self._alias_of
+        for t in iter_tensors(tuple(args) + tuple(kwargs.values() if kwargs else ())):
+            key = id(t)
+            if key in written:
+                continue
+            rec = reads.get(key)
+            if rec is not None:
+                if rec.ref() is t:
+                    rec.last_read = len(rec.ops) - 1  # (this op's access, noted already)
+                    if rec.first_read is None:
+                        rec.first_read = rec.last_read
+                continue
+            root = alias_of.get(key)
+            rec = reads.get(root) if root is not None else None
+            if rec is not None:
+                rec.last_read = len(rec.ops)  # (between its accesses: the next index)
+                if rec.first_read is None:
+                    rec.first_read = rec.last_read
 
     def _note(self, key, t, op: str) -> None:
         rec = self._reads[key] = _Read(t, op)
         if rec.storage is not None:
             self._by_storage.setdefault(rec.storage, []).append(rec)
+
+    def _again(self, rec, t, op: str) -> None:
+        """A later access of an external tensor by the forward's op ``op``."""
+        if rec.ref() is not t:
+            return
+        storage = _storage_key(t)
+        if storage != rec.storage:
+            # Its storage was replaced in the forward (`p.data = ...`, a lazy module's
+            # materialization): no op did it, so the reads index moves with it and the
+            # recompute can only start from the value the forward left (_Replay).
+            group = self._by_storage.get(rec.storage)
+            if group is not None and rec in group:
+                group.remove(rec)
+            rec.storage = storage
+            if storage is not None:
+                self._by_storage.setdefault(storage, []).append(rec)
+            rec.replaced_at = len(rec.ops)
+            rec.settled = len(rec.ops)
+            rec.writes += 1
+        rec.ops.append(op)
 
     def _before_write(self, t, declared: bool = True) -> None:
         # Every external tensor in the written storage: the one written, its base, other
@@ -170,10 +254,16 @@ class ExternalTensors:
         for rec in self._by_storage.get(storage, ()):
             if declared:
                 rec.declared = True
+            # (accesses from the next one on see the value after this write; the current
+            # op's access, when it is one of the tensor's, was noted before)
+            rec.settled = len(rec.ops)
+            rec.writes += 1
+            u = rec.ref()
+            if u is not None and _storage_key(u) == storage:
+                self._step(rec, u)
             snap = rec.snapshot
             if snap is not None and not isinstance(snap, _Tensor):
                 continue
-            u = rec.ref()
             if u is None or _storage_key(u) != storage:
                 continue
             # Through itself, or a view or alias of it the region made (the recompute makes
@@ -187,8 +277,21 @@ class ExternalTensors:
             if snap is not None:
                 rec.by_other = rec.by_other or other
                 continue
-            rec.snapshot = u.detach().clone() if u._version == rec.version else _LOST
+            rec.snapshot = rec.steps[0][1] if rec.steps and rec.steps[0][0] == rec.settled \
+                and isinstance(rec.steps[0][1], _Tensor) and u._version == rec.version else (
+                u.detach().clone() if u._version == rec.version else _LOST)
             rec.by_other = other
+
+    @staticmethod
+    def _step(rec, u) -> None:
+        """Keeps the value ``u`` holds before a write of the forward (see ``_Read.steps``):
+        what the recompute's access of it reads where it went another way (_follow)."""
+        steps = rec.steps
+        if steps and steps[-1][0] == rec.settled:
+            return  # (two writes at one access: the value before the first)
+        if steps and not isinstance(steps[-1][1], _Tensor):
+            return  # (lost already: later values are of no use either)
+        steps.append((rec.settled, u.detach().clone() if len(steps) < _MAX_STEPS else _LOST))
 
     def forward_outputs(self, out, source=None) -> None:
         """After an op of the forward ran: its outputs are the region's own tensors.
@@ -219,6 +322,9 @@ class ExternalTensors:
         self._produced = None  # the ids were only needed to tell external tensors apart
         self._alias_of = {}
         for rec in self._reads.values():
+            t = rec.ref()
+            if t is not None:
+                rec.end_version = t._version
             if rec.by_other and isinstance(rec.snapshot, _Tensor):
                 t = rec.ref()
                 if t is not None and not _same_bits(t, rec.snapshot):
@@ -247,6 +353,7 @@ class ExternalTensors:
             RuntimeError: naming the first such tensor that was modified since.
         """
         self._shadows = {}
+        self._cursor = {}
         for rec in self._reads.values():
             snap = rec.snapshot
             if snap is None:
@@ -319,8 +426,10 @@ class ExternalTensors:
 
     def _resolve(self, t, op_name: str):
         rec = self._reads.get(id(t))
-        if rec is None or rec.ref() is not t:
+        if rec is None or rec.ref() is not t or self._busy:
             return t
+        if rec.writes and self._follow(rec, t, op_name):
+            return self._shadows[id(t)]
         snap = rec.snapshot
         if snap is None:
             if t._version != rec.version:
@@ -339,6 +448,116 @@ class ExternalTensors:
         if shadow is None:
             shadow = self._shadows[id(t)] = snap.clone()
         return shadow
+
+    def _follow(self, rec, t, op_name: str) -> bool:
+        """Recompute: ``op_name`` accesses ``t``, which the forward changed. True when the
+        access must read the private copy, which now holds the value the forward's matching
+        access saw.
+
+        The recompute's accesses of ``t`` are matched against the forward's, in order. As
+        long as they are the same ops, the recompute replays the forward's writes on the
+        copy of the value forward first read. Where the recompute goes another way (its
+        control flow depends on state outside tensors: a Python flag set by a first call
+        that initialized the tensor, a lazy module materialized in its first forward), the
+        access is matched to the forward's later ones by the same op; when they all saw one
+        value (no write of the forward between them), the copy takes it (``_value_at``:
+        kept before each write, or the value the forward left), in place: views the
+        recompute made of the copy see it, as the forward's views of the tensor did. (It used to keep the first value: a buffer
+        filled in a region's first call only was read as before the fill, gradients off by
+        4.4; ``nn.LazyLinear`` raised. Tester, session 19.)
+
+        Raises:
+            RuntimeError: where the matching accesses saw different values (which one this
+                is cannot be told) or that value was not kept, the tensor changed since the
+                forward, or the recompute replays accesses from before a storage
+                replacement it cannot replay.
+        """
+        key = id(t)
+        ops, pos = rec.ops, self._cursor.get(key, 0)
+        if pos < len(ops) and ops[pos] == op_name:
+            if rec.replaced_at is not None and pos < rec.replaced_at:
+                raise RuntimeError(
+                    f"hyper_parallel: the recompute of a checkpoint region reads "
+                    f"{self._name(t)} (in {op_name}) as its forward did before replacing the "
+                    "tensor's storage (`.data = ...`), which the recompute cannot replay. "
+                    "Replace it outside the checkpointed function (or with an in-place op: "
+                    "copy_), or run one forward outside checkpoint first (lazy modules).")
+            self._cursor[key] = pos + 1
+            return False
+        same = [i for i in range(pos, len(ops)) if ops[i] == op_name]
+        if not same:  # an access the forward never made: the copy's value, as before
+            self._cursor[key] = len(ops)
+            return False
+        if self._value_at(rec, same[0]) is not self._value_at(rec, same[-1]):
+            raise RuntimeError(self._ambiguous_message(t, op_name))
+        self._cursor[key] = same[0] + 1
+        return self._take(rec, t, op_name, same[0], pos)
+
+    def _ambiguous_message(self, t, op_name: str) -> str:
+        return (f"hyper_parallel: the recompute of a checkpoint region took another path than "
+                f"its forward and reads {self._name(t)} (in {op_name}) where the forward read "
+                "it at several points with different values in between (it modified it), so "
+                "which value this read needs cannot be told. The region's control flow "
+                "depends on state outside its tensors (a Python flag changed by its first "
+                "call?): keep that state the same for the recompute, run the first call "
+                "outside checkpoint, or move the writes out of the checkpointed function.")
+
+    def _value_at(self, rec, j):
+        """The value the forward's access ``j`` of ``rec`` saw: a kept one, ``None`` for
+        the value the forward left, or _LOST."""
+        for b, value in rec.steps:
+            if j < b:
+                return value
+        return None
+
+    def _take(self, rec, t, op_name: str, j: int, pos: int | None) -> bool:
+        """Puts the value the forward's access ``j`` saw in ``t``'s private copy (see
+        ``_follow``); ``pos``: the access the recompute was at (no copy when no write of
+        the forward lies between, or None)."""
+        key = id(t)
+        value = self._value_at(rec, j)
+        if pos is not None and key in self._shadows and value is self._value_at(rec, pos):
+            return True  # (the skipped accesses wrote nothing: the copy holds it already)
+        if value is _LOST or (value is not None and not isinstance(value, _Tensor)):
+            raise RuntimeError(
+                f"hyper_parallel: the recompute of a checkpoint region took another path than "
+                f"its forward and reads {self._name(t)} (in {op_name}) where the forward had "
+                f"modified it more than {_MAX_STEPS} times, so the value that read saw was not "
+                "kept. The region's control flow depends on state outside its tensors (a "
+                "Python flag changed by its first call?): keep that state the same for the "
+                "recompute, run the first call outside checkpoint, or move the writes out of "
+                "the checkpointed function.")
+        if value is None and (t._version != rec.end_version or _storage_key(t) != rec.storage):
+            raise RuntimeError(self._modified_message(t, op_name, rec.end_version))
+        self._busy = True  # (these ops read t itself)
+        try:
+            if value is None:
+                value = t.detach()
+            shadow = self._shadows.get(key)
+            if shadow is None:
+                self._shadows[key] = value.clone()
+            else:
+                shadow.copy_(value)
+        finally:
+            self._busy = False
+        return True
+
+    def _skipped_to_save(self, rec, t) -> bool:
+        """Recompute, from the pack hook: whether ``t``, which the forward changed and this
+        pass has not accessed yet, is saved by an op (before the op reaches ``_follow``,
+        and maybe the last one the recompute runs: early stop) where the forward's first
+        access did not read its value: that op reads it, so the recompute skipped the
+        forward's accesses before its first read (its control flow went another way, as in
+        ``_follow``), and the copy takes the value that first read saw."""
+        key = id(t)
+        if self._cursor.get(key, 0) != 0 or not rec.first_read:
+            return False  # (accessed already, or the forward read it first too, or never)
+        if self._value_at(rec, rec.first_read) is not self._value_at(rec, rec.last_read):
+            # (the forward read it, wrote it, read it again: which read this is cannot be
+            # told)
+            raise RuntimeError(self._ambiguous_message(t, "an op saving it"))
+        self._cursor[key] = rec.first_read
+        return self._take(rec, t, "an op saving it", rec.first_read, None)
 
     def written_tensors(self) -> list:
         """The external tensors the forward wrote whose value was kept (those with a
@@ -362,6 +581,8 @@ class ExternalTensors:
         views, a private copy, which a later write of the recompute would change (plain
         autograd's version error; :class:`SavedValues` checks it)."""
         rec = self._reads.get(id(t))
+        if rec is not None and rec.ref() is t and rec.writes and self._skipped_to_save(rec, t):
+            return self._shadows[id(t)], True
         if rec is not None and rec.ref() is t and isinstance(rec.snapshot, _Tensor) \
                 and rec.declared:
             # (written only by the batch norms' undeclared writes: saved as itself, as

@@ -449,7 +449,8 @@ class _CachingMode(TorchDispatchMode):
             if st.cache is not None:
                 st.cache.watch(out)
             return out
-        st.external.forward_inputs(info.name, args, kwargs, info.writes, info.declared)
+        st.external.forward_inputs(info.name, args, kwargs, info.writes, info.declared,
+                                   info.view)
         rng = None
         if info.seeded and info.kind == _PLAIN and st.cache is not None and (
                 st.policy_fn is not None or not _is_recompute(st.table.policy_for(info.key))):

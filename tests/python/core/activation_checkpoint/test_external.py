@@ -991,3 +991,127 @@ def test_a_probe_is_not_reused_for_state_its_key_did_not_capture(how):
 
 def _run_cfg(cfg, x):
     return cfg.layer(x)
+
+
+class _FillOnce(nn.Module):
+    """Fills its buffer in its first call only (a Python flag decides), then reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4, dtype=torch.float64))
+        self.ready = False
+
+    def forward(self, x):
+        if not self.ready:
+            self.ready = True
+            self.scale.fill_(2.0)
+        return (x * self.scale).sin() * x
+
+
+class _DataInit(nn.Module):
+    """Creates its weight in its first call (`.data =`, then in-place init), as a lazy
+    module materializes its parameters; the init's fan-in reads go through views."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(0, dtype=torch.float64))
+        self.ready = False
+
+    def forward(self, x):
+        if not self.ready:
+            self.ready = True
+            with torch.no_grad():
+                self.weight.data = torch.zeros(3, 4, dtype=torch.float64)
+                _ = self.weight[0][0].numel()
+                self.weight.uniform_(-1, 1)
+        return torch.nn.functional.linear(x, self.weight).tanh()
+
+
+def _first_call_grads(make, call):
+    torch.manual_seed(0)
+    module = make()
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(1)
+    call(module, x).pow(2).sum().backward()
+    return [x.grad] + [p.grad for p in module.parameters()]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("make", [_FillOnce, _DataInit, lambda: nn.LazyLinear(3).double(),
+                                  lambda: nn.LazyBatchNorm1d().double()],
+                         ids=["fill_once", "data_init", "lazy_linear", "lazy_batchnorm"])
+def test_state_a_regions_first_call_initializes_is_read_as_the_forward_left_it(make, mode,
+                                                                               cpu_swap):
+    # (tester, session 19) A region whose first call initializes outside state behind a
+    # Python flag (a buffer filled once, a weight created with `.data =` and initialized
+    # in place, nn.LazyLinear's materialization): its recompute skips the initialization,
+    # and read the private copy of the value before it: gradients silently off by 4.4
+    # (fill_once), 1.3 (data_init); LazyLinear raised "modified without declaring the
+    # write". torch's checkpoint reads the value the forward left, which is what the
+    # forward's reads saw. Now so do we, on both interception paths.
+    options = MODES[mode]
+    got = _first_call_grads(make, lambda m, t: checkpoint(m, t, **options))
+    ref = _first_call_grads(make, lambda m, t: m(t))
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+class _FillOnceThenAdd(nn.Module):
+    """Fills its buffer in its first call only, reads it (an add, which saves nothing),
+    adds to it in every call and reads it again (a mul, which saves it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4, dtype=torch.float64))
+        self.ready = False
+
+    def forward(self, x):
+        if not self.ready:
+            self.ready = True
+            self.scale.fill_(2.0)
+        h = (x + self.scale).sin()
+        self.scale.add_(1.0)
+        return h * self.scale * x
+
+
+class _AddInFirstCallLoop(nn.Module):
+    """In its first call only, adds to its buffer and reads it three times; then reads it
+    with the same op once more."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4, dtype=torch.float64))
+        self.ready = False
+
+    def forward(self, x):
+        h = x
+        if not self.ready:
+            self.ready = True
+            for _ in range(3):
+                self.scale.add_(1.0)
+                h = (h + self.scale).sin()
+        return (h + self.scale) * x
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_recompute_that_skips_a_write_reads_the_value_kept_from_before_the_next(mode,
+                                                                                 cpu_swap):
+    # The recompute skips the first call's fill, reads the buffer where the forward read
+    # the filled value (kept before the add after it), then replays the add.
+    options = MODES[mode]
+    got = _first_call_grads(_FillOnceThenAdd, lambda m, t: checkpoint(m, t, **options))
+    ref = _first_call_grads(_FillOnceThenAdd, lambda m, t: m(t))
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_recompute_read_matching_several_forward_values_raises(mode, cpu_swap):
+    # The recompute skips the loop; its read of the buffer is the same op as the loop's
+    # reads, which saw other values: which one it is cannot be told, so it raises instead
+    # of guessing.
+    options = MODES[mode]
+    with pytest.raises(RuntimeError, match="hyper_parallel: the recompute of a checkpoint "
+                                           "region took another path than its forward .*"
+                                           "cannot be told"):
+        _first_call_grads(_AddInFirstCallLoop, lambda m, t: checkpoint(m, t, **options))
