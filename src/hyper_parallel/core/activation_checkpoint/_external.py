@@ -29,6 +29,7 @@ the autograd engine's recompute).
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -43,12 +44,13 @@ _MAX_STEPS = 8  # values kept per external tensor before its writes (_Read.steps
 class _Read:
     __slots__ = ("ref", "version", "snapshot", "op", "storage", "by_other", "declared", "ops",
                  "settled", "end_version", "replaced_at", "writes", "first_read", "last_read",
-                 "steps")
+                 "steps", "ptr")
 
     def __init__(self, tensor, op: str) -> None:
         self.ref = weakref.ref(tensor)
         self.version = tensor._version
         self.storage = _storage_key(tensor)
+        self.ptr = tensor.data_ptr()  # (a cheap test of a storage replaced: _moved)
         # kept for a write through another tensor of its storage (its base, a sibling view)
         self.by_other = False
         self.snapshot = None  # the value forward read, kept before forward's first write
@@ -170,78 +172,67 @@ class ExternalTensors:
         reads, produced = self._reads, self._produced
         if produced is None:
             return
-        for t in iter_tensors(args):
+        # Its value is read unless the op is a view op or declares it writes the argument
+        # (the batch norms' undeclared writes of their running statistics read them too,
+        # and write nothing in eval mode).
+        written = () if view or not writes or not declared else {
+            id(w) for w in iter_tensors(tuple(written_targets(args, kwargs, writes)))}
+        alias_of = self._alias_of
+        for t in (itertools.chain(iter_tensors(args), iter_tensors(kwargs.values())) if kwargs
+                  else iter_tensors(args)):
             key = id(t)
+            read = not view and key not in written
             rec = reads.get(key)
             if rec is not None:
-                self._again(rec, t, op)
+                if rec.ref() is not t:
+                    continue
+                if t.data_ptr() != rec.ptr:
+                    self._moved(rec, t)
+                ops = rec.ops
+                ops.append(op)
+                if read:
+                    rec.last_read = len(ops) - 1
+                    if rec.first_read is None:
+                        rec.first_read = rec.last_read
             elif key not in produced:
-                self._note(key, t, op)
-        if kwargs:
-            for t in iter_tensors(kwargs.values()):
-                key = id(t)
-                rec = reads.get(key)
-                if rec is not None:
-                    self._again(rec, t, op)
-                elif key not in produced:
-                    self._note(key, t, op)
-        if not view:
-            # (the batch norms' undeclared writes of their running statistics read them too,
-            # and write nothing in eval mode)
-            self._value_reads(args, kwargs, writes if declared else ())
+                rec = self._note(key, t, op)
+                if read:
+                    rec.first_read = rec.last_read = 0
+            elif read and alias_of:
+                root = alias_of.get(key)
+                rec = reads.get(root) if root is not None else None
+                if rec is not None:  # (through a view the region made: the next index)
+                    rec.last_read = len(rec.ops)
+                    if rec.first_read is None:
+                        rec.first_read = rec.last_read
         if writes:
             for t in iter_tensors(tuple(written_targets(args, kwargs, writes))):
                 self._before_write(t, declared)
 
-    def _value_reads(self, args, kwargs, writes) -> None:
-        """Notes, for the external tensors this op reads the value of (directly or through
-        a view the region made of them, and not as an argument at a position of ``writes``),
-        the index of their first such access."""
-        written = {id(t) for t in iter_tensors(tuple(written_targets(args, kwargs, writes)))} \
-            if writes else ()
-        reads, alias_of = self._reads, self._alias_of
-        for t in iter_tensors(tuple(args) + tuple(kwargs.values() if kwargs else ())):
-            key = id(t)
-            if key in written:
-                continue
-            rec = reads.get(key)
-            if rec is not None:
-                if rec.ref() is t:
-                    rec.last_read = len(rec.ops) - 1  # (this op's access, noted already)
-                    if rec.first_read is None:
-                        rec.first_read = rec.last_read
-                continue
-            root = alias_of.get(key)
-            rec = reads.get(root) if root is not None else None
-            if rec is not None:
-                rec.last_read = len(rec.ops)  # (between its accesses: the next index)
-                if rec.first_read is None:
-                    rec.first_read = rec.last_read
-
-    def _note(self, key, t, op: str) -> None:
+    def _note(self, key, t, op: str):
         rec = self._reads[key] = _Read(t, op)
         if rec.storage is not None:
             self._by_storage.setdefault(rec.storage, []).append(rec)
+        return rec
 
-    def _again(self, rec, t, op: str) -> None:
-        """A later access of an external tensor by the forward's op ``op``."""
-        if rec.ref() is not t:
-            return
+    def _moved(self, rec, t) -> None:
+        """``t``'s data moved since its last access: its storage was replaced in the
+        forward (`p.data = ...`, a lazy module's materialization) or resized in place."""
+        rec.ptr = t.data_ptr()
         storage = _storage_key(t)
-        if storage != rec.storage:
-            # Its storage was replaced in the forward (`p.data = ...`, a lazy module's
-            # materialization): no op did it, so the reads index moves with it and the
-            # recompute can only start from the value the forward left (_Replay).
-            group = self._by_storage.get(rec.storage)
-            if group is not None and rec in group:
-                group.remove(rec)
-            rec.storage = storage
-            if storage is not None:
-                self._by_storage.setdefault(storage, []).append(rec)
-            rec.replaced_at = len(rec.ops)
-            rec.settled = len(rec.ops)
-            rec.writes += 1
-        rec.ops.append(op)
+        if storage == rec.storage:
+            return  # (resized in place)
+        # No op replaced it: the reads index moves with it, and the recompute cannot replay
+        # the accesses from before it (_follow).
+        group = self._by_storage.get(rec.storage)
+        if group is not None and rec in group:
+            group.remove(rec)
+        rec.storage = storage
+        if storage is not None:
+            self._by_storage.setdefault(storage, []).append(rec)
+        rec.replaced_at = len(rec.ops)
+        rec.settled = len(rec.ops)
+        rec.writes += 1
 
     def _before_write(self, t, declared: bool = True) -> None:
         # Every external tensor in the written storage: the one written, its base, other
