@@ -80,6 +80,11 @@ def _stack() -> list:
     return stack
 
 
+def active(state: RecomputeState) -> bool:
+    """Whether ``state``'s forward or recompute is running on this thread (on its stack)."""
+    return any(s is state for s in _stack())
+
+
 def push(state: RecomputeState) -> None:
     _stack().append(state)
 

@@ -507,6 +507,7 @@ class _CachedMode(TorchDispatchMode):
 
     def __enter__(self):
         st = self._state
+        _refuse_recompute_inside(st)
         if st.cache is not None:
             st.cache.begin_recompute()
         st.subclass.begin_recompute()
@@ -548,6 +549,27 @@ class _CachedMode(TorchDispatchMode):
         if out is _RECOMPUTE:
             return func(*args, **kwargs)
         return out
+
+
+def _refuse_recompute_inside(st: _RegionState) -> None:
+    """A recompute of a selective region while its own forward (or recompute) still runs on
+    this thread: a backward inside the region (``torch.autograd.grad`` of the region's own
+    tensors, a gradient penalty) needs values it saved. Its cache holds the forward's calls
+    so far, and the recompute would count them from the start again (a callable policy hung
+    on the cache's lock; a declarative one raised a misleading call-count error: tester,
+    session 19). torch's selective checkpoint refuses it too.
+
+    Raises:
+        RuntimeError: always, when that is the case.
+    """
+    if st.cache is not None and _recompute_state.active(st.rstate):
+        raise RuntimeError(
+            "hyper_parallel: a backward inside a selective checkpoint region (e.g. "
+            "torch.autograd.grad of a tensor the region computed, for a gradient penalty) "
+            "needs the region recomputed before its forward ended, which selective checkpoint "
+            "does not support (torch's refuses it too). Checkpoint that function without a "
+            "policy_fn (full checkpoint supports it), or compute the inner gradient outside "
+            "the checkpointed function.")
 
 
 def _enter_saved_values(written: int, recompute_save, written_tensors):
@@ -614,6 +636,7 @@ class _NativeRecompute:
 
     def __enter__(self):
         st = self._state
+        _refuse_recompute_inside(st)
         st.native.enter_recompute()  # checks the external tensors; may raise
         st.collectives.begin_recompute()
         _recompute_state.enter_recompute(st.rstate)
