@@ -18,6 +18,7 @@ import collections
 import collections.abc
 import enum
 import functools
+import itertools
 import types
 import weakref
 
@@ -30,6 +31,7 @@ from hyper_parallel._extension import _C
 from . import _compile, _diagnostics
 from ._backends import backend_for, wrapper_dispatch
 from ._errors import check_callable
+from ._external import _set_versions, modified_message, tensor_name
 from ._host_pool import native_pool
 from ._recompute_state import debug_call, reentrant_call
 from ._region import REGISTERED_ONLY, SWAP_ALL, Region, in_func_transform
@@ -196,6 +198,20 @@ def _warn_reentrant_fallback(function) -> None:
 def _debug_forced() -> bool:
     forced = getattr(torch_checkpoint, "_checkpoint_debug_enabled", None)
     return bool(forced)
+
+
+def _argument_ids(args, kwargs) -> frozenset:
+    """The ids of the tensors among a call's arguments (top level, one level of lists,
+    tuples and dicts): those differ per call and are not the region's outside state."""
+    ids = set()
+    for v in itertools.chain(args, kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            ids.add(id(v))
+        elif isinstance(v, (list, tuple)):
+            ids.update(id(u) for u in v if isinstance(u, torch.Tensor))
+        elif isinstance(v, dict):
+            ids.update(id(u) for u in v.values() if isinstance(u, torch.Tensor))
+    return frozenset(ids)
 
 
 def _describer(function):
@@ -375,15 +391,124 @@ def _probe_slot(function, args, kwargs):
     return table, key, _training(module)
 
 
-def _plain_learned(slot) -> bool:
-    """Whether the probe found the target plain under these training flags."""
+class _Plain:
+    """What the probe learned of a target that needed no region modes: the training flags
+    it was probed under and weak references to the tensors from outside the region that its
+    forward read (the module's parameters and buffers, closures; not the call's
+    arguments)."""
+
+    __slots__ = ("training", "reads")
+
+    def __init__(self, training, reads) -> None:
+        self.training = training
+        self.reads = reads
+
+
+def _plain_learned(slot):
+    """The :class:`_Plain` the probe learned for the target under these training flags, or
+    None."""
     table, key, training = slot
-    learned = table.get(key, _NEEDS_MODES)
-    return learned is not _NEEDS_MODES and learned == training
+    learned = table.get(key)
+    return learned if isinstance(learned, _Plain) and learned.training == training else None
 
 
-def _learn(table, key, training, needed: bool) -> None:
-    table[key] = _NEEDS_MODES if needed else training
+def _learn(table, key, training, arg_ids, buffers, needed: bool, reads=()) -> None:
+    """Records the probe's result: ``reads``, the outside tensors its forward read, and
+    ``buffers``, the region's module's buffers (state a later call may start writing),
+    are what a plain call guards (_PlainGuard); ``arg_ids``: the call's argument tensors,
+    left out."""
+    if needed:
+        table[key] = _NEEDS_MODES
+        return
+    kept = {id(t): t for t in itertools.chain(reads, buffers) if id(t) not in arg_ids}
+    table[key] = _Plain(training, tuple(weakref.ref(t) for t in kept.values()))
+
+
+def _region_buffers(function) -> list:
+    """The buffers of the module a region runs (the function itself, a bound method's
+    module, or a wrapper's ``fn``), or none."""
+    module = function if isinstance(function, nn.Module) else getattr(function, "__self__",
+                                                                       None)
+    if not isinstance(module, nn.Module):
+        module = getattr(function, "fn", None)
+    return list(module.buffers()) if isinstance(module, nn.Module) else []
+
+
+class _PlainGuard:
+    """The checks a region with no region modes keeps (torch's frame alone, docs/design.md
+    "Region modes on full checkpoint"): the tensors its probe found it reads from outside
+    must hold at the recompute the version they had when the forward ended, as in the
+    region modes (otherwise the recompute reads another value: gradients silently wrong;
+    tester, session 19); and a forward that writes one of them (state the probe's call did
+    not write: an update turned on later) makes the target probed again, while this call's
+    recompute puts back what it writes again (the value and version the forward left)."""
+
+    __slots__ = ("_plain", "_slot", "_describe", "_tensors", "_versions", "_restore")
+
+    def __init__(self, plain: _Plain, slot, describe) -> None:
+        self._plain, self._slot, self._describe = plain, slot, describe
+        self._tensors: list = []
+        self._versions: list = []
+        self._restore: list = []
+
+    def contexts(self):
+        return _GuardForward(self), _GuardRecompute(self)
+
+    def begin_forward(self) -> None:
+        self._tensors = [t for t in (r() for r in self._plain.reads) if t is not None]
+        self._versions = [t._version for t in self._tensors]
+
+    def end_forward(self, ok: bool) -> None:
+        after = [t._version for t in self._tensors]
+        if ok and after != self._versions:
+            table, key, _ = self._slot
+            table[key] = _NEEDS_MODES  # (the next call runs the region modes)
+            self._restore = [(t, t.detach().clone(), v) for t, v, w
+                             in zip(self._tensors, after, self._versions) if v != w]
+        self._versions = after
+
+    def begin_recompute(self) -> None:
+        for t, v in zip(self._tensors, self._versions):
+            if t._version != v:
+                raise RuntimeError(modified_message(tensor_name(t, self._describe), t,
+                                                    "the recompute", v))
+
+    def end_recompute(self) -> None:
+        if self._restore:
+            with torch.no_grad():
+                for t, value, _ in self._restore:
+                    t.copy_(value)
+            _set_versions([t for t, _, _ in self._restore], [v for _, _, v in self._restore])
+
+
+class _GuardForward:
+    __slots__ = ("_guard",)
+
+    def __init__(self, guard: _PlainGuard) -> None:
+        self._guard = guard
+
+    def __enter__(self):
+        self._guard.begin_forward()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self._guard.end_forward(exc_type is None)
+        return False
+
+
+class _GuardRecompute:
+    __slots__ = ("_guard",)
+
+    def __init__(self, guard: _PlainGuard) -> None:
+        self._guard = guard
+
+    def __enter__(self):
+        self._guard.begin_recompute()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self._guard.end_recompute()
+        return False
 
 
 def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=None,
@@ -581,14 +706,18 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
     debug_region = debug or _debug_forced()
     if debug_region:
         pass  # torch's debug mode brings its own context_fn: a debug region runs without ours
-    elif slot is not None and _plain_learned(slot):
+    elif slot is not None and (plain := _plain_learned(slot)) is not None:
         # A full-recompute region whose forward wrote no outside state and ran no
         # collective when it was probed (in this training mode): torch's frame alone.
         # Only the invocation's recompute state (is_recomputing(), exclusion regions,
-        # recompute handles): two plain context managers, no dispatch mode.
-        ckpt_kwargs["context_fn"] = state_context_fn(context_fn)
+        # recompute handles) and the versions of what it reads from outside
+        # (_PlainGuard): plain context managers, no dispatch mode.
+        guard = _PlainGuard(plain, slot, _describer(function)).contexts if plain.reads \
+            else None
+        ckpt_kwargs["context_fn"] = state_context_fn(context_fn, guard)
     else:
-        report = functools.partial(_learn, *slot) if slot is not None else None
+        report = functools.partial(_learn, *slot, _argument_ids(args, kwargs),
+                                   _region_buffers(function)) if slot is not None else None
         ckpt_kwargs["context_fn"] = region_context_fn(policy, context_fn,
                                                       allow_cache_entry_mutation,
                                                       _describer(function), report)

@@ -328,6 +328,15 @@ class ExternalTensors:
                 if t is not None and t._version != rec.version:
                     rec.snapshot = _UNDECLARED
 
+    def read_tensors(self) -> list:
+        """The tensors from outside the region that the forward read and that are alive."""
+        out = []
+        for rec in self._reads.values():
+            t = rec.ref()
+            if t is not None:
+                out.append(t)
+        return out
+
     @property
     def written(self) -> int:
         """External tensors the forward wrote (a copy of each is kept)."""
@@ -602,12 +611,18 @@ class ExternalTensors:
         return tensor_name(t, self._describe)
 
     def _modified_message(self, t, op_name: str, version: int) -> str:
-        return (
-            f"hyper_parallel: the recompute of a checkpoint region reads {self._name(t)} "
-            f"(in {op_name}), which was modified in place after the region's forward read it "
-            f"(version {version} -> {t._version}). Backward would compute its gradients from "
-            "a different value than forward used. Modify it after backward (or before the "
-            "forward), or clone it and let the region read the clone.")
+        return modified_message(self._name(t), t, op_name, version)
+
+
+def modified_message(name: str, t, op_name: str, version: int) -> str:
+    """The error for an outside tensor modified in place between a region's forward and
+    its recompute (``name``: as :func:`tensor_name` gives it)."""
+    return (
+        f"hyper_parallel: the recompute of a checkpoint region reads {name} "
+        f"(in {op_name}), which was modified in place after the region's forward read it "
+        f"(version {version} -> {t._version}). Backward would compute its gradients from "
+        "a different value than forward used. Modify it after backward (or before the "
+        "forward), or clone it and let the region read the clone.")
 
 
 class SavedValues:

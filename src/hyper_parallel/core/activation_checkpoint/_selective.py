@@ -587,7 +587,8 @@ def _end_forward(st: _RegionState, exc_type, exc, tb, written: int) -> None:
     """What the forward of a region leaves behind, whichever path intercepted it: the
     report, the demotion of outputs written later in the forward, the swap region."""
     if exc_type is None and st.report is not None:
-        st.report(written > 0 or bool(st.collectives))
+        st.report(written > 0 or bool(st.collectives),
+                  st.external.read_tensors() if st.native is None else ())
     if exc_type is None and st.cache is not None:
         # Outputs written in place later in this forward are replayed instead.
         for name, call, policy in st.cache.end_forward():
@@ -808,13 +809,18 @@ def region_context_fn(policy: SelectivePolicy | None = None, user_context_fn=Non
     return make_contexts
 
 
-def state_context_fn(user_context_fn=None):
+def state_context_fn(user_context_fn=None, guard=None):
     """A ``context_fn`` for a full-recompute region that needs no region modes: only the
     invocation's :class:`RecomputeState` (``_recompute_state.py``), composed with the
-    user's ``(forward_ctx, recompute_ctx)`` (theirs outside)."""
+    user's ``(forward_ctx, recompute_ctx)`` (theirs outside). ``guard()``: another
+    ``(forward_ctx, recompute_ctx)`` pair, inside (or None)."""
 
     def make_contexts():
         forward, recompute = _recompute_state.contexts()
+        if guard is not None:
+            guard_forward, guard_recompute = guard()
+            forward, recompute = _Nested(forward, guard_forward), _Nested(recompute,
+                                                                         guard_recompute)
         if user_context_fn is None:
             return forward, recompute
         user_forward, user_recompute = call_context_fn(user_context_fn)

@@ -1115,3 +1115,70 @@ def test_a_recompute_read_matching_several_forward_values_raises(mode, cpu_swap)
                                            "region took another path than its forward .*"
                                            "cannot be told"):
         _first_call_grads(_AddInFirstCallLoop, lambda m, t: checkpoint(m, t, **options))
+
+
+class _Scaled(nn.Module):
+    """Adds its buffer (an add saves nothing of it) and may update a second buffer in place
+    when `update` is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4).double()
+        self.register_buffer("scale", torch.ones(4, dtype=torch.float64))
+        self.register_buffer("ema", torch.zeros(4, dtype=torch.float64))
+        self.update = False
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.update:
+            self.ema.mul_(0.9).add_(h.detach().mean(0) * 0.1)
+        return torch.sigmoid(h + self.scale) * x
+
+
+def test_a_probed_plain_region_still_refuses_outside_state_changed_before_backward(probes):
+    # (tester, session 19) After its first call the region runs torch's frame alone (the
+    # probe found it writes nothing). A buffer it reads, changed in place between a later
+    # forward and its backward, was read with the new value by the recompute: gradients
+    # silently off (the first call raised). Every call now checks what the probe saw it read.
+    from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    module = _Scaled()
+    wrapped = checkpoint_wrapper(module)
+    for step in range(3):
+        x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+        y = wrapped(x)
+        if step == 2:
+            with torch.no_grad():
+                module.scale.add_(1.0)
+            with pytest.raises(RuntimeError, match="hyper_parallel: the recompute of a "
+                                                   "checkpoint region reads buffer 'scale'"):
+                y.sum().backward()
+        else:
+            y.sum().backward()
+    assert len(probes) == 1  # (the later calls ran torch's frame alone)
+
+
+def test_state_a_later_call_starts_writing_is_not_written_again_by_its_recompute():
+    # (tester, session 19) A buffer update switched on after the first call (an EMA after
+    # warm-up): the probe of the first call found no write, so later calls ran torch's
+    # frame alone and the recompute applied the update a second time. The call that first
+    # writes has what it wrote put back after its recompute, and the target is probed
+    # again: buffers and gradients as plain autograd's, every step.
+    from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
+
+    def run(wrap):
+        torch.manual_seed(0)
+        module = _Scaled()
+        call = wrap(module)
+        out = []
+        for step in range(4):
+            module.update = step >= 1
+            torch.manual_seed(10 + step)
+            x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+            call(x).pow(2).sum().backward()
+            out += [x.grad, module.fc.weight.grad.clone(), module.ema.clone()]
+        return out
+
+    for a, b in zip(run(checkpoint_wrapper), run(lambda m: m)):
+        assert torch.equal(a, b)
