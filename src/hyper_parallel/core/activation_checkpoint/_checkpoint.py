@@ -452,7 +452,8 @@ class _PlainGuard:
         self._restore: list = []
 
     def contexts(self):
-        return _GuardForward(self), _GuardRecompute(self)
+        return (_Around(self.begin_forward, self.end_forward),
+                _Around(self.begin_recompute, self.end_recompute))
 
     def begin_forward(self) -> None:
         self._tensors = [t for t in (r() for r in self._plain.reads) if t is not None]
@@ -473,7 +474,7 @@ class _PlainGuard:
                 raise RuntimeError(modified_message(tensor_name(t, self._describe), t,
                                                     "the recompute", v))
 
-    def end_recompute(self) -> None:
+    def end_recompute(self, ok: bool = True) -> None:
         if self._restore:
             with torch.no_grad():
                 for t, value, _ in self._restore:
@@ -481,33 +482,21 @@ class _PlainGuard:
             _set_versions([t for t, _, _ in self._restore], [v for _, _, v in self._restore])
 
 
-class _GuardForward:
-    __slots__ = ("_guard",)
+class _Around:
+    """A context manager calling ``begin()`` at entry and ``end(ok)`` at exit (``ok``: no
+    exception); re-enterable."""
 
-    def __init__(self, guard: _PlainGuard) -> None:
-        self._guard = guard
+    __slots__ = ("_begin", "_end")
+
+    def __init__(self, begin, end) -> None:
+        self._begin, self._end = begin, end
 
     def __enter__(self):
-        self._guard.begin_forward()
+        self._begin()
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        self._guard.end_forward(exc_type is None)
-        return False
-
-
-class _GuardRecompute:
-    __slots__ = ("_guard",)
-
-    def __init__(self, guard: _PlainGuard) -> None:
-        self._guard = guard
-
-    def __enter__(self):
-        self._guard.begin_recompute()
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        self._guard.end_recompute()
+        self._end(exc_type is None)
         return False
 
 

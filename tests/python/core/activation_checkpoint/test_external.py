@@ -1036,6 +1036,13 @@ def _first_call_grads(make, call):
     return [x.grad] + [p.grad for p in module.parameters()]
 
 
+def _assert_first_call_as_plain(make, options):
+    got = _first_call_grads(make, lambda m, t: checkpoint(m, t, **options))
+    ref = _first_call_grads(make, lambda m, t: m(t))
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("make", [_FillOnce, _DataInit, lambda: nn.LazyLinear(3).double(),
                                   lambda: nn.LazyBatchNorm1d().double()],
@@ -1049,21 +1056,12 @@ def test_state_a_regions_first_call_initializes_is_read_as_the_forward_left_it(m
     # (fill_once), 1.3 (data_init); LazyLinear raised "modified without declaring the
     # write". torch's checkpoint reads the value the forward left, which is what the
     # forward's reads saw. Now so do we, on both interception paths.
-    options = MODES[mode]
-    got = _first_call_grads(make, lambda m, t: checkpoint(m, t, **options))
-    ref = _first_call_grads(make, lambda m, t: m(t))
-    for a, b in zip(got, ref):
-        assert torch.equal(a, b)
+    _assert_first_call_as_plain(make, MODES[mode])
 
 
-class _FillOnceThenAdd(nn.Module):
+class _FillOnceThenAdd(_FillOnce):
     """Fills its buffer in its first call only, reads it (an add, which saves nothing),
     adds to it in every call and reads it again (a mul, which saves it)."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("scale", torch.ones(4, dtype=torch.float64))
-        self.ready = False
 
     def forward(self, x):
         if not self.ready:
@@ -1074,14 +1072,9 @@ class _FillOnceThenAdd(nn.Module):
         return h * self.scale * x
 
 
-class _AddInFirstCallLoop(nn.Module):
+class _AddInFirstCallLoop(_FillOnce):
     """In its first call only, adds to its buffer and reads it three times; then reads it
     with the same op once more."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("scale", torch.ones(4, dtype=torch.float64))
-        self.ready = False
 
     def forward(self, x):
         h = x
@@ -1098,11 +1091,7 @@ def test_a_recompute_that_skips_a_write_reads_the_value_kept_from_before_the_nex
                                                                                  cpu_swap):
     # The recompute skips the first call's fill, reads the buffer where the forward read
     # the filled value (kept before the add after it), then replays the add.
-    options = MODES[mode]
-    got = _first_call_grads(_FillOnceThenAdd, lambda m, t: checkpoint(m, t, **options))
-    ref = _first_call_grads(_FillOnceThenAdd, lambda m, t: m(t))
-    for a, b in zip(got, ref):
-        assert torch.equal(a, b)
+    _assert_first_call_as_plain(_FillOnceThenAdd, MODES[mode])
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -1117,7 +1106,7 @@ def test_a_recompute_read_matching_several_forward_values_raises(mode, cpu_swap)
         _first_call_grads(_AddInFirstCallLoop, lambda m, t: checkpoint(m, t, **options))
 
 
-class _Scaled(nn.Module):
+class _ScaledWithEma(nn.Module):
     """Adds its buffer (an add saves nothing of it) and may update a second buffer in place
     when `update` is on."""
 
@@ -1143,7 +1132,7 @@ def test_a_probed_plain_region_still_refuses_outside_state_changed_before_backwa
     from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
 
     torch.manual_seed(0)
-    module = _Scaled()
+    module = _ScaledWithEma()
     wrapped = checkpoint_wrapper(module)
     for step in range(3):
         x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
@@ -1169,7 +1158,7 @@ def test_state_a_later_call_starts_writing_is_not_written_again_by_its_recompute
 
     def run(wrap):
         torch.manual_seed(0)
-        module = _Scaled()
+        module = _ScaledWithEma()
         call = wrap(module)
         out = []
         for step in range(4):
