@@ -19,6 +19,7 @@ import collections.abc
 import enum
 import functools
 import itertools
+import sys
 import types
 import weakref
 
@@ -441,19 +442,21 @@ class _PlainGuard:
     region modes (otherwise the recompute reads another value: gradients silently wrong;
     tester, session 19); and a forward that writes one of them (state the probe's call did
     not write: an update turned on later) makes the target probed again, while this call's
-    recompute puts back what it writes again (the value and version the forward left)."""
+    recompute puts back what it writes again (the value and version the forward left).
+    ``contexts(forward_ctx, recompute_ctx)`` wraps the invocation's recompute-state pair
+    (one object per call; no ExitStack: this runs at every call of a plain region)."""
 
-    __slots__ = ("_plain", "_slot", "_describe", "_tensors", "_versions", "_restore")
+    __slots__ = ("_plain", "_slot", "_function", "_tensors", "_versions", "_restore")
 
-    def __init__(self, plain: _Plain, slot, describe) -> None:
-        self._plain, self._slot, self._describe = plain, slot, describe
+    def __init__(self, plain: _Plain, slot, function) -> None:
+        self._plain, self._slot, self._function = plain, slot, function
         self._tensors: list = []
         self._versions: list = []
         self._restore: list = []
 
-    def contexts(self):
-        return (_Around(self.begin_forward, self.end_forward),
-                _Around(self.begin_recompute, self.end_recompute))
+    def contexts(self, forward, recompute):
+        return (_Guarded(forward, self.begin_forward, self.end_forward),
+                _Guarded(recompute, self.begin_recompute, self.end_recompute))
 
     def begin_forward(self) -> None:
         self._tensors = [t for t in (r() for r in self._plain.reads) if t is not None]
@@ -471,8 +474,8 @@ class _PlainGuard:
     def begin_recompute(self) -> None:
         for t, v in zip(self._tensors, self._versions):
             if t._version != v:
-                raise RuntimeError(modified_message(tensor_name(t, self._describe), t,
-                                                    "the recompute", v))
+                name = tensor_name(t, _describer(self._function))
+                raise RuntimeError(modified_message(name, t, "the recompute", v))
 
     def end_recompute(self, ok: bool = True) -> None:
         if self._restore:
@@ -482,22 +485,29 @@ class _PlainGuard:
             _set_versions([t for t, _, _ in self._restore], [v for _, _, v in self._restore])
 
 
-class _Around:
-    """A context manager calling ``begin()`` at entry and ``end(ok)`` at exit (``ok``: no
-    exception); re-enterable."""
+class _Guarded:
+    """``inner`` (a context manager) with ``begin()`` called after its entry and
+    ``end(ok)`` before its exit (``ok``: no exception); re-enterable as ``inner`` is."""
 
-    __slots__ = ("_begin", "_end")
+    __slots__ = ("_inner", "_begin", "_end")
 
-    def __init__(self, begin, end) -> None:
-        self._begin, self._end = begin, end
+    def __init__(self, inner, begin, end) -> None:
+        self._inner, self._begin, self._end = inner, begin, end
 
     def __enter__(self):
-        self._begin()
+        self._inner.__enter__()
+        try:
+            self._begin()
+        except BaseException:
+            self._inner.__exit__(*sys.exc_info())
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        self._end(exc_type is None)
-        return False
+        try:
+            self._end(exc_type is None)
+        finally:
+            return self._inner.__exit__(exc_type, exc, tb)
 
 
 def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=None,
@@ -701,8 +711,7 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         # Only the invocation's recompute state (is_recomputing(), exclusion regions,
         # recompute handles) and the versions of what it reads from outside
         # (_PlainGuard): plain context managers, no dispatch mode.
-        guard = _PlainGuard(plain, slot, _describer(function)).contexts if plain.reads \
-            else None
+        guard = _PlainGuard(plain, slot, function).contexts if plain.reads else None
         ckpt_kwargs["context_fn"] = state_context_fn(context_fn, guard)
     else:
         report = functools.partial(_learn, *slot, _argument_ids(args, kwargs),

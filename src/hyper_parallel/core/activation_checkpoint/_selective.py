@@ -812,15 +812,13 @@ def region_context_fn(policy: SelectivePolicy | None = None, user_context_fn=Non
 def state_context_fn(user_context_fn=None, guard=None):
     """A ``context_fn`` for a full-recompute region that needs no region modes: only the
     invocation's :class:`RecomputeState` (``_recompute_state.py``), composed with the
-    user's ``(forward_ctx, recompute_ctx)`` (theirs outside). ``guard()``: another
-    ``(forward_ctx, recompute_ctx)`` pair, inside (or None)."""
+    user's ``(forward_ctx, recompute_ctx)`` (theirs outside). ``guard(forward_ctx,
+    recompute_ctx)``: the pair with checks of its own around it (or None)."""
 
     def make_contexts():
         forward, recompute = _recompute_state.contexts()
         if guard is not None:
-            guard_forward, guard_recompute = guard()
-            forward, recompute = _Nested(forward, guard_forward), _Nested(recompute,
-                                                                         guard_recompute)
+            forward, recompute = guard(forward, recompute)
         if user_context_fn is None:
             return forward, recompute
         user_forward, user_recompute = call_context_fn(user_context_fn)
