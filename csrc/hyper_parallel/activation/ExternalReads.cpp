@@ -96,7 +96,6 @@ void ExternalReads::again(Read& rec, const c10::TensorImpl* impl, const at::Tens
     }
     rec.storage = storage;
     if (storage != nullptr) by_storage_[storage].push_back(impl);
-    rec.replaced_at = static_cast<int64_t>(rec.ops.size());
     rec.settled = rec.ops.size();
     ++rec.writes;
   }
@@ -171,10 +170,13 @@ void ExternalReads::before_write(const at::Tensor& t, bool declared) {
     const at::Tensor u(std::move(p));
     if (!u.has_storage() || u.storage().unsafeGetStorageImpl() != storage) continue;
     // The value before each write (Read::steps), for a recompute that goes another way.
+    // (the first is the copy the replay needs anyway; later ones cost memory held until
+    // backward whether or not the recompute goes another way: small state only)
     if (rec.steps.empty() ||
         (rec.steps.back().first != rec.settled && rec.steps.back().second.defined())) {
-      rec.steps.emplace_back(rec.settled,
-                             rec.steps.size() < kMaxSteps ? copy_of(u) : at::Tensor());
+      const bool keep = rec.steps.empty() ||
+                        (rec.steps.size() < kMaxSteps && u.nbytes() <= kMaxStepBytes);
+      rec.steps.emplace_back(rec.settled, keep ? copy_of(u) : at::Tensor());
     }
     if (rec.snap != Snap::kNone && rec.snap != Snap::kValue) continue;
     // Through itself, or a view or alias of it the region made (the recompute makes it
@@ -318,10 +320,12 @@ std::string ExternalReads::ambiguous_message(const at::Tensor& t, const std::str
 }
 
 const at::Tensor* ExternalReads::value_at(const Read& rec, size_t j) {
+  static const at::Tensor kLost;  // (undefined: a write after the last value kept)
+  if (j >= rec.settled) return nullptr;  // (after the forward's last write)
   for (const auto& step : rec.steps) {
     if (j < step.first) return &step.second;
   }
-  return nullptr;
+  return &kLost;
 }
 
 bool ExternalReads::take(Read& rec, const at::Tensor& t, const std::string& op, size_t j,
@@ -359,12 +363,8 @@ bool ExternalReads::follow(Read& rec, const at::Tensor& t, int64_t op_key, const
   size_t& pos = cursor_[impl];
   const auto& ops = rec.ops;
   if (pos < ops.size() && ops[pos] == op) {
-    HP_CHECK(rec.replaced_at < 0 || static_cast<int64_t>(pos) >= rec.replaced_at,
-             "the recompute of a checkpoint region reads ", name(t), " (in ", op_label(op_key),
-             ") as its forward did before replacing the tensor's storage (`.data = ...`), "
-             "which the recompute cannot replay. Replace it outside the checkpointed function "
-             "(or with an in-place op: copy_), or run one forward outside checkpoint first "
-             "(lazy modules).");
+    // (accesses from before a storage replacement, `.data = ...`, read the tensor as it
+    // is: a recompute that makes the replacement again reads what torch's does)
     ++pos;
     return false;
   }

@@ -55,8 +55,9 @@ class ExternalReads {
   // `writes` are about to write.
   // `declared`: the positions of `writes` the op's schema declares (Tensor(a!): autograd
   // bumps the version), not the batch norms' writes of their running statistics.
-  // `op`: the operator's identity (its schema's address), for following where the
-  // recompute goes another way (follow()).
+  // `op`: the operator's identity (its schema's address; the caller adds 1 when grad
+  // mode is off, see OpInterceptor.cpp), for following where the recompute goes another
+  // way (follow()).
   // `view`: the op returns a view of its first argument (it reads no value).
   void forward_inputs(int64_t op_key, const void* op, c10::ArrayRef<c10::IValue> args,
                       const std::vector<int>& writes, const std::vector<int>& declared,
@@ -136,14 +137,13 @@ class ExternalReads {
     // writes of their running statistics (recompute_save() saves those as themselves).
     bool declared = false;
     int64_t op_key = -1;  // the op that read it first
-    // The operators that took it as an argument, in forward order (its accesses); those
-    // from index `settled` on saw the value the forward left (no write of any kind after
-    // them). `writes`: writes of any kind. `replaced_at`: the access before which the
-    // forward replaced its storage (`.data = ...`, which no op does; -1: never).
+    // The operators that took it as an argument, in forward order (its accesses; an op
+    // run with grad mode off counts as another operator: forward_inputs()); those from
+    // index `settled` on saw the value the forward left (no write of any kind after
+    // them). `writes`: writes of any kind (a storage replaced, `.data = ...`, included).
     std::vector<const void*> ops;
     size_t settled = 0;
     int64_t writes = 0;
-    int64_t replaced_at = -1;
     uint32_t end_version = 0;  // its version when the forward ended
     // The index of its first and last access that read its value (not a view op, not a
     // declared write of it; through a view the region made of it: the next index), -1:
@@ -155,6 +155,7 @@ class ExternalReads {
     std::vector<std::pair<size_t, at::Tensor>> steps;
   };
   static constexpr size_t kMaxSteps = 8;
+  static constexpr size_t kMaxStepBytes = size_t{1} << 20;  // (past the first step)
 
   void note(const at::Tensor& t, int64_t op_key, const void* op);
   // A later access of an external tensor (a storage replaced since is followed).

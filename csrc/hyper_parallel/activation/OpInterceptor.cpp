@@ -2,6 +2,7 @@
 
 #include "hyper_parallel/activation/OpPolicyTable.h"
 #include "hyper_parallel/activation/SwapEngine.h"
+#include <c10/core/GradMode.h>
 #include "hyper_parallel/common/Macros.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -268,6 +269,15 @@ void SacRegion::exit() {
   }
 }
 
+// How ExternalReads names an op's access of an outside tensor: the operator (its schema's
+// address) and whether grad mode was off (the address plus one; schemas are aligned).
+// State a first call initializes runs under no_grad, and the recompute's reads with grad
+// on are not mistaken for it.
+static const void* access_id(const c10::FunctionSchema& schema) {
+  const auto* base = reinterpret_cast<const char*>(&schema);
+  return c10::GradMode::is_enabled() ? base : base + 1;
+}
+
 ExternalReads::Save SacRegion::recompute_save(const at::Tensor& t) {
   c10::impl::ExcludeDispatchKeyGuard no_reentry(kKey);
   return external_.recompute_save(t);
@@ -315,8 +325,8 @@ void SacRegion::forward(const c10::OperatorHandle& op, const OpFacts& facts,
   g_intercepted.fetch_add(1, std::memory_order_relaxed);
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
-  external_.forward_inputs(facts.key, &schema, torch::jit::last(*stack, nargs), facts.writes,
-                           facts.declared_writes, facts.view_of_first);
+  external_.forward_inputs(facts.key, access_id(schema), torch::jit::last(*stack, nargs),
+                           facts.writes, facts.declared_writes, facts.view_of_first);
   if (facts.kind == OpKind::kCollective && collective_) {
     ++python_calls_;
     collective_(op, stack, false);
@@ -382,7 +392,7 @@ void SacRegion::recompute(const c10::OperatorHandle& op, const OpFacts& facts,
   // Declared writes only: the batch norms' writes of their running statistics are not
   // autograd's either, so they bump no version (ExternalReads::recompute_args).
   static const std::vector<int> kNone;
-  external_.recompute_args(facts.key, &schema, *stack, nargs,
+  external_.recompute_args(facts.key, access_id(schema), *stack, nargs,
                            facts.kind == OpKind::kCollective ? kNone : facts.declared_writes);
   if (facts.kind == OpKind::kCollective && collective_) {
     ++python_calls_;

@@ -394,15 +394,16 @@ def _probe_slot(function, args, kwargs):
 
 class _Plain:
     """What the probe learned of a target that needed no region modes: the training flags
-    it was probed under and weak references to the tensors from outside the region that its
+    it was probed under, weak references to the tensors from outside the region that its
     forward read (the module's parameters and buffers, closures; not the call's
-    arguments)."""
+    arguments), and to its module's buffers (state a later call may start writing)."""
 
-    __slots__ = ("training", "reads")
+    __slots__ = ("training", "reads", "buffers")
 
-    def __init__(self, training, reads) -> None:
+    def __init__(self, training, reads, buffers) -> None:
         self.training = training
         self.reads = reads
+        self.buffers = buffers
 
 
 def _plain_learned(slot):
@@ -421,8 +422,11 @@ def _learn(table, key, training, arg_ids, buffers, needed: bool, reads=()) -> No
     if needed:
         table[key] = _NEEDS_MODES
         return
-    kept = {id(t): t for t in itertools.chain(reads, buffers) if id(t) not in arg_ids}
-    table[key] = _Plain(training, tuple(weakref.ref(t) for t in kept.values()))
+    read = [t for t in reads if id(t) not in arg_ids]
+    seen = {id(t) for t in read}
+    table[key] = _Plain(training, tuple(weakref.ref(t) for t in read),
+                        tuple(weakref.ref(b) for b in buffers
+                              if id(b) not in seen and id(b) not in arg_ids))
 
 
 def _region_buffers(function) -> list:
@@ -440,18 +444,22 @@ class _PlainGuard:
     "Region modes on full checkpoint"): the tensors its probe found it reads from outside
     must hold at the recompute the version they had when the forward ended, as in the
     region modes (otherwise the recompute reads another value: gradients silently wrong;
-    tester, session 19); and a forward that writes one of them (state the probe's call did
-    not write: an update turned on later) makes the target probed again, while this call's
-    recompute puts back what it writes again (the value and version the forward left).
+    tester, session 19); and a forward that writes one of them or one of its module's
+    buffers (state the probe's call did not write: an update turned on later) makes the
+    target probed again, while this call's recompute puts back what it writes again (the
+    value and version the tensor had when the recompute started).
     ``contexts(forward_ctx, recompute_ctx)`` wraps the invocation's recompute-state pair
     (one object per call; no ExitStack: this runs at every call of a plain region)."""
 
-    __slots__ = ("_plain", "_slot", "_function", "_tensors", "_versions", "_restore")
+    __slots__ = ("_plain", "_slot", "_function", "_tensors", "_reads", "_versions",
+                 "_written", "_restore")
 
     def __init__(self, plain: _Plain, slot, function) -> None:
         self._plain, self._slot, self._function = plain, slot, function
-        self._tensors: list = []
+        self._tensors: list = []   # reads (the first `_reads`), then buffers
+        self._reads = 0
         self._versions: list = []
+        self._written: list = []   # the tensors the forward wrote
         self._restore: list = []
 
     def contexts(self, forward, recompute):
@@ -459,7 +467,10 @@ class _PlainGuard:
                 _Guarded(recompute, self.begin_recompute, self.end_recompute))
 
     def begin_forward(self) -> None:
-        self._tensors = [t for t in (r() for r in self._plain.reads) if t is not None]
+        plain = self._plain
+        reads = [t for t in (r() for r in plain.reads) if t is not None]
+        self._reads = len(reads)
+        self._tensors = reads + [t for t in (r() for r in plain.buffers) if t is not None]
         self._versions = [t._version for t in self._tensors]
 
     def end_forward(self, ok: bool) -> None:
@@ -467,22 +478,25 @@ class _PlainGuard:
         if ok and after != self._versions:
             table, key, _ = self._slot
             table[key] = _NEEDS_MODES  # (the next call runs the region modes)
-            self._restore = [(t, t.detach().clone(), v) for t, v, w
-                             in zip(self._tensors, after, self._versions) if v != w]
+            self._written = [t for t, v, w in zip(self._tensors, after, self._versions)
+                             if v != w]
         self._versions = after
 
     def begin_recompute(self) -> None:
-        for t, v in zip(self._tensors, self._versions):
+        # (only what the forward read: a buffer it never read may change meanwhile)
+        for t, v in zip(self._tensors[:self._reads], self._versions):
             if t._version != v:
                 name = tensor_name(t, _describer(self._function))
                 raise RuntimeError(modified_message(name, t, "the recompute", v))
+        self._restore = [(t, t.detach().clone(), t._version) for t in self._written]
 
     def end_recompute(self, ok: bool = True) -> None:
-        if self._restore:
+        restore, self._restore = self._restore, []
+        if restore:
             with torch.no_grad():
-                for t, value, _ in self._restore:
+                for t, value, _ in restore:
                     t.copy_(value)
-            _set_versions([t for t, _, _ in self._restore], [v for _, _, v in self._restore])
+            _set_versions([t for t, _, _ in restore], [v for _, _, v in restore])
 
 
 class _Guarded:
@@ -711,7 +725,8 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         # Only the invocation's recompute state (is_recomputing(), exclusion regions,
         # recompute handles) and the versions of what it reads from outside
         # (_PlainGuard): plain context managers, no dispatch mode.
-        guard = _PlainGuard(plain, slot, function).contexts if plain.reads else None
+        guard = _PlainGuard(plain, slot, function).contexts if plain.reads or plain.buffers \
+            else None
         ckpt_kwargs["context_fn"] = state_context_fn(context_fn, guard)
     else:
         report = functools.partial(_learn, *slot, _argument_ids(args, kwargs),

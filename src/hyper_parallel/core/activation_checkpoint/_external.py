@@ -39,11 +39,12 @@ _LOST = object()  # written in forward after another write changed it: value unk
 _UNDECLARED = object()  # written in forward by an op whose schema does not say so
 _OVERLAPPED = object()  # changed in forward by a write through another tensor of its storage
 _MAX_STEPS = 8  # values kept per external tensor before its writes (_Read.steps)
+_MAX_STEP_BYTES = 1 << 20  # and past the first, only for tensors up to this size
 
 
 class _Read:
     __slots__ = ("ref", "version", "snapshot", "op", "storage", "by_other", "declared", "ops",
-                 "settled", "end_version", "replaced_at", "writes", "first_read", "last_read",
+                 "settled", "end_version", "writes", "first_read", "last_read",
                  "steps", "ptr")
 
     def __init__(self, tensor, op: str) -> None:
@@ -72,9 +73,6 @@ class _Read:
         # value (at most _MAX_STEPS; then _LOST), for _value_at
         self.steps = []
         self.end_version = None  # its version when the forward ended
-        # the access before which the forward replaced its storage (`.data = ...`, which
-        # no op does and the recompute cannot replay), or None
-        self.replaced_at = None
 
 
 def _storage_key(t):
@@ -230,7 +228,6 @@ class ExternalTensors:
         rec.storage = storage
         if storage is not None:
             self._by_storage.setdefault(storage, []).append(rec)
-        rec.replaced_at = len(rec.ops)
         rec.settled = len(rec.ops)
         rec.writes += 1
 
@@ -282,7 +279,11 @@ class ExternalTensors:
             return  # (two writes at one access: the value before the first)
         if steps and not isinstance(steps[-1][1], _Tensor):
             return  # (lost already: later values are of no use either)
-        steps.append((rec.settled, u.detach().clone() if len(steps) < _MAX_STEPS else _LOST))
+        # (the first is the copy the replay needs anyway; later ones cost memory held until
+        # backward whether or not the recompute goes another way: small state only)
+        keep = not steps or (len(steps) < _MAX_STEPS
+                             and u.numel() * u.element_size() <= _MAX_STEP_BYTES)
+        steps.append((rec.settled, u.detach().clone() if keep else _LOST))
 
     def forward_outputs(self, out, source=None) -> None:
         """After an op of the forward ran: its outputs are the region's own tensors.
@@ -475,13 +476,8 @@ class ExternalTensors:
         key = id(t)
         ops, pos = rec.ops, self._cursor.get(key, 0)
         if pos < len(ops) and ops[pos] == op_name:
-            if rec.replaced_at is not None and pos < rec.replaced_at:
-                raise RuntimeError(
-                    f"hyper_parallel: the recompute of a checkpoint region reads "
-                    f"{self._name(t)} (in {op_name}) as its forward did before replacing the "
-                    "tensor's storage (`.data = ...`), which the recompute cannot replay. "
-                    "Replace it outside the checkpointed function (or with an in-place op: "
-                    "copy_), or run one forward outside checkpoint first (lazy modules).")
+            # (accesses from before a storage replacement, `.data = ...`, read the tensor as
+            # it is: a recompute that makes the replacement again reads what torch's does)
             self._cursor[key] = pos + 1
             return False
         same = [i for i in range(pos, len(ops)) if ops[i] == op_name]
@@ -505,10 +501,12 @@ class ExternalTensors:
     def _value_at(self, rec, j):
         """The value the forward's access ``j`` of ``rec`` saw: a kept one, ``None`` for
         the value the forward left, or _LOST."""
+        if j >= rec.settled:
+            return None  # (after the forward's last write)
         for b, value in rec.steps:
             if j < b:
                 return value
-        return None
+        return _LOST  # (a write after the last value kept)
 
     def _take(self, rec, t, op_name: str, j: int, pos: int | None) -> bool:
         """Puts the value the forward's access ``j`` saw in ``t``'s private copy (see

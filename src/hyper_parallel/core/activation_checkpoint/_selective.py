@@ -99,12 +99,13 @@ _TO_COPY = torch.ops.aten._to_copy.default
 
 class _OpInfo:
     __slots__ = ("key", "name", "kind", "writes", "seeded", "view", "declared",
-                 "replay_writes")
+                 "replay_writes", "nograd_name")
 
     def __init__(self, key: int, name: str, kind: int, writes: tuple,
                  seeded: bool = False, view: bool = False, declared: bool = True) -> None:
         self.key = key  # -1: never cached (see module docstring)
         self.name = name
+        self.nograd_name = name + " (no grad)"  # (_access_name)
         self.kind = kind
         # what the op writes: schema positions of positional arguments, names of kwarg-only
         # ones (out=, or max.dim_max's max= and max_values=)
@@ -449,8 +450,8 @@ class _CachingMode(TorchDispatchMode):
             if st.cache is not None:
                 st.cache.watch(out)
             return out
-        st.external.forward_inputs(info.name, args, kwargs, info.writes, info.declared,
-                                   info.view)
+        st.external.forward_inputs(_access_name(info), args, kwargs, info.writes,
+                                   info.declared, info.view)
         rng = None
         if info.seeded and info.kind == _PLAIN and st.cache is not None and (
                 st.policy_fn is not None or not _is_recompute(st.table.policy_for(info.key))):
@@ -533,7 +534,8 @@ class _CachedMode(TorchDispatchMode):
         st = self._state
         if info.kind == _PASSTHROUGH:
             return func(*args, **kwargs)
-        args, kwargs = st.external.recompute_args(info.name, args, kwargs, info.replay_writes)
+        args, kwargs = st.external.recompute_args(_access_name(info), args, kwargs,
+                                                  info.replay_writes)
         kind = info.kind
         if kind == _COLLECTIVE:
             return st.collectives.replay(func, args, kwargs, _C.backward_keeps_graph())
@@ -570,6 +572,13 @@ def _refuse_recompute_inside(st: _RegionState) -> None:
             "does not support (torch's refuses it too). Checkpoint that function without a "
             "policy_fn (full checkpoint supports it), or compute the inner gradient outside "
             "the checkpointed function.")
+
+
+def _access_name(info: _OpInfo) -> str:
+    """How ``ExternalTensors`` names an op's access of an outside tensor: the op, and
+    whether grad mode was off (state a first call initializes runs under no_grad, and the
+    recompute's reads with grad on are not mistaken for it)."""
+    return info.name if torch.is_grad_enabled() else info.nograd_name
 
 
 def _enter_saved_values(written: int, recompute_save, written_tensors):

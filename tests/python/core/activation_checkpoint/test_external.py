@@ -1171,3 +1171,132 @@ def test_state_a_later_call_starts_writing_is_not_written_again_by_its_recompute
 
     for a, b in zip(run(checkpoint_wrapper), run(lambda m: m)):
         assert torch.equal(a, b)
+
+
+class _InitByMulThenMul(_FillOnce):
+    """Its first call initializes the buffer under no_grad with the op it reads it with."""
+
+    def forward(self, x):
+        if not self.ready:
+            self.ready = True
+            with torch.no_grad():
+                self.scale.copy_(self.scale * 3.0)
+        return (x * self.scale).sin() * x
+
+
+class _ScaleThroughView(_FillOnce):
+    """ActNorm-style: the first call sets the buffer from the data through a view; every
+    call reads it through a view."""
+
+    def forward(self, x):
+        if not self.ready:
+            self.ready = True
+            with torch.no_grad():
+                self.scale.view(1, -1).copy_(1.0 / (x.std(0, keepdim=True) + 1e-6))
+        return (x * self.scale.view(1, -1)).tanh() * x
+
+
+class _DataEveryCall(nn.Module):
+    """Replaces its weight's storage in every call (an idempotent clamp)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4).double()
+
+    def forward(self, x):
+        self.fc.weight.data = self.fc.weight.data.clamp(-0.3, 0.3)
+        return self.fc(x).sin()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("make", [_InitByMulThenMul, _ScaleThroughView, _DataEveryCall],
+                         ids=["init_same_op", "through_view", "data_every_call"])
+def test_first_call_state_read_by_the_same_op_or_a_view_and_storage_replaced_each_call(
+        make, mode, cpu_swap):
+    # (tester, session 19) An initialization under no_grad that reads the state with the
+    # op the later read uses (or through a view) was matched to the recompute's read:
+    # gradients silently off by 2.1 / 0.77; accesses count no-grad ops apart now. A weight
+    # whose storage every call replaces (`.data = clamp(...)`) raised a false error
+    # (before this session it worked, as in torch). A policy that caches the
+    # initialization's own ops (save_all) cannot replay a recompute that skips them: its
+    # clear error, as for any selective region whose ops differ in recompute.
+    if mode == "save_all" and make is not _DataEveryCall:
+        with pytest.raises(RuntimeError, match="must run the same ops in the same order"):
+            _assert_first_call_as_plain(make, MODES[mode])
+        return
+    _assert_first_call_as_plain(make, MODES[mode])
+
+
+class _ManyWritesFirstCall(_FillOnce):
+    """Writes its buffer n times in its first call only, reads it, writes it again."""
+
+    n = 12
+
+    def forward(self, x):
+        if not self.ready:
+            self.ready = True
+            for _ in range(self.n):
+                self.scale.add_(1.0)
+        y = (x + self.scale).sin() * x
+        self.scale.add_(1.0)
+        return y
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_value_past_the_kept_ones_is_a_clear_error_not_the_last_one(mode, cpu_swap):
+    # (tester, session 19) Past the values kept (8), the read after 12 writes was given the
+    # value the forward left (after one more write): gradients silently off by 1.1-1.5.
+    with pytest.raises(RuntimeError, match="hyper_parallel: the recompute of a checkpoint "
+                                           "region took another path .* more than 8 times"):
+        _first_call_grads(_ManyWritesFirstCall, lambda m, t: checkpoint(m, t, **MODES[mode]))
+
+
+def test_a_probed_plain_region_ignores_buffers_it_does_not_read_and_undoes_only_its_own_write():
+    # (tester, session 19) The plain path's guard checked every buffer of the module: a
+    # BatchNorm outside the region but in the same module, updated between the region's
+    # forward and backward, raised a false error. And two calls sharing one backward after
+    # an EMA update turned on: the first call's recompute put back the value its forward
+    # left, undoing the second call's update. Buffers the region never read are only
+    # watched for writes by its forward; a recompute puts back what it found.
+    class AE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)).double()
+            self.dec = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(),
+                                     nn.Linear(8, 4)).double()
+
+        def encode(self, x):
+            return self.enc(x)
+
+        def forward(self, x, ckpt):
+            return self.dec(checkpoint(self.encode, x) if ckpt else self.encode(x))
+
+    def train(ckpt):
+        torch.manual_seed(0)
+        model = AE()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            torch.manual_seed(step)
+            model(torch.randn(6, 4, dtype=torch.float64), ckpt).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return list(model.parameters()) + list(model.buffers())
+
+    for a, b in zip(train(True), train(False)):
+        assert torch.equal(a, b)
+
+    from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
+
+    def two_calls(wrap):
+        torch.manual_seed(0)
+        module = _ScaledWithEma()
+        call = wrap(module)
+        for step in range(3):
+            module.update = step >= 1
+            torch.manual_seed(10 + step)
+            x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+            (call(x).pow(2).sum() + call(2 * x).pow(2).sum()).backward()
+        return [x.grad, module.fc.weight.grad, module.ema]
+
+    for a, b in zip(two_calls(checkpoint_wrapper), two_calls(lambda m: m)):
+        assert torch.equal(a, b)
