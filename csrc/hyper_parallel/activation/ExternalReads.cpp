@@ -88,8 +88,8 @@ void ExternalReads::again(Read& rec, const c10::TensorImpl* impl, const at::Tens
   const c10::StorageImpl* storage = t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
   if (storage != rec.storage) {
     // Its storage was replaced in the forward (`p.data = ...`, a lazy module's
-    // materialization): no op did it, so the index moves with it and the recompute can
-    // only start from the value the forward left (follow()).
+    // materialization): no op did it, so the index moves with it (a write, with no value
+    // kept from before it; accesses from before it read the tensor as it is in recompute).
     if (auto old = by_storage_.find(rec.storage); old != by_storage_.end()) {
       auto& v = old->second;
       v.erase(std::remove(v.begin(), v.end(), impl), v.end());
@@ -337,7 +337,8 @@ bool ExternalReads::take(Read& rec, const at::Tensor& t, const std::string& op, 
   }
   HP_CHECK(value == nullptr || value->defined(), "the recompute of a checkpoint region took "
            "another path than its forward and reads ", name(t), " (in ", op, ") where the "
-           "forward had modified it more than ", kMaxSteps, " times, so the value that read "
+           "forward had modified it more times than values are kept for (", kMaxSteps,
+           "; 1 for tensors over ", kMaxStepBytes >> 20, " MiB), so the value that read "
            "saw was not kept. The region's control flow depends on state outside its tensors "
            "(a Python flag changed by its first call?): keep that state the same for the "
            "recompute, run the first call outside checkpoint, or move the writes out of the "

@@ -60,7 +60,7 @@ class _Read:
         # the batch norms' writes of their running statistics, which autograd does not see
         self.declared = False
         # The ops that took it as an argument, in forward order (its accesses), so that the
-        # recompute can tell where it follows another path (_Replay): accesses from index
+        # recompute can tell where it follows another path (_follow): accesses from index
         # `settled` on saw the value the forward left (no write of any kind after them).
         self.ops = [op]
         self.settled = 0
@@ -70,7 +70,8 @@ class _Read:
         self.first_read = None
         self.last_read = None  # (and of its last one)
         # per write of the forward, (b, value before it): accesses before index b saw that
-        # value (at most _MAX_STEPS; then _LOST), for _value_at
+        # value (the first always; then at most _MAX_STEPS, for tensors up to
+        # _MAX_STEP_BYTES; otherwise _LOST), for _value_at
         self.steps = []
         self.end_version = None  # its version when the forward ended
 
@@ -220,8 +221,8 @@ class ExternalTensors:
         storage = _storage_key(t)
         if storage == rec.storage:
             return  # (resized in place)
-        # No op replaced it: the reads index moves with it, and the recompute cannot replay
-        # the accesses from before it (_follow).
+        # No op replaced it: the reads index moves with it (a write, with no value kept from
+        # before it; accesses from before it read the tensor as it is in recompute).
         group = self._by_storage.get(rec.storage)
         if group is not None and rec in group:
             group.remove(rec)
@@ -463,15 +464,15 @@ class ExternalTensors:
         access is matched to the forward's later ones by the same op; when they all saw one
         value (no write of the forward between them), the copy takes it (``_value_at``:
         kept before each write, or the value the forward left), in place: views the
-        recompute made of the copy see it, as the forward's views of the tensor did. (It used to keep the first value: a buffer
-        filled in a region's first call only was read as before the fill, gradients off by
-        4.4; ``nn.LazyLinear`` raised. Tester, session 19.)
+        recompute made of the copy see it, as the forward's views of the tensor did. (It
+        used to keep the first value: a buffer filled in a region's first call only was
+        read as before the fill, gradients off by 4.4; ``nn.LazyLinear`` raised. Tester,
+        session 19.) Ops run with grad mode off are other accesses (``_access_name``).
 
         Raises:
             RuntimeError: where the matching accesses saw different values (which one this
-                is cannot be told) or that value was not kept, the tensor changed since the
-                forward, or the recompute replays accesses from before a storage
-                replacement it cannot replay.
+                is cannot be told), that value was not kept, or the tensor changed since
+                the forward.
         """
         key = id(t)
         ops, pos = rec.ops, self._cursor.get(key, 0)
@@ -520,7 +521,8 @@ class ExternalTensors:
             raise RuntimeError(
                 f"hyper_parallel: the recompute of a checkpoint region took another path than "
                 f"its forward and reads {self._name(t)} (in {op_name}) where the forward had "
-                f"modified it more than {_MAX_STEPS} times, so the value that read saw was not "
+                f"modified it more times than values are kept for ({_MAX_STEPS}; 1 for tensors "
+                f"over {_MAX_STEP_BYTES >> 20} MiB), so the value that read saw was not "
                 "kept. The region's control flow depends on state outside its tensors (a "
                 "Python flag changed by its first call?): keep that state the same for the "
                 "recompute, run the first call outside checkpoint, or move the writes out of "
