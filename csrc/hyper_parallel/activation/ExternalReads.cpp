@@ -65,22 +65,23 @@ ExternalReads::Read* ExternalReads::find(const at::Tensor& t) {
   return &it->second;
 }
 
-void ExternalReads::note(const at::Tensor& t, int64_t op_key, const void* op) {
+ExternalReads::Read* ExternalReads::note(const at::Tensor& t, int64_t op_key, const void* op) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   auto it = reads_.find(impl);
   if (it != reads_.end() && !it->second.ref.expired()) {
     // (an in-place op's output is the tensor itself, in produced_ since: it is still one
     // of the region's external tensors)
-    if (it->second.ref._unsafe_get_target() == impl) again(it->second, impl, t, op);
-    return;
+    if (it->second.ref._unsafe_get_target() != impl) return nullptr;
+    again(it->second, impl, t, op);
+    return &it->second;
   }
-  if (produced_.count(impl)) return;
+  if (produced_.count(impl)) return nullptr;
   Read r(t);
   r.version = t._version();
   r.op_key = op_key;
   r.ops.push_back(op);
   if (r.storage != nullptr) by_storage_[r.storage].push_back(impl);
-  reads_.insert_or_assign(impl, std::move(r));
+  return &reads_.insert_or_assign(impl, std::move(r)).first->second;
 }
 
 void ExternalReads::again(Read& rec, const c10::TensorImpl* impl, const at::Tensor& t,
@@ -107,38 +108,39 @@ void ExternalReads::forward_inputs(int64_t op_key, const void* op,
                                    const std::vector<int>& writes,
                                    const std::vector<int>& declared, bool view) {
   if (forward_over_) return;
-  for (const auto& v : args) for_tensors(v, [&](const at::Tensor& t) { note(t, op_key, op); });
+  // The index of each external tensor's first and last access that reads its value: not
+  // a view op, not an argument the op declares it writes (the batch norms' undeclared
+  // writes of their running statistics read them too, and write nothing in eval mode);
+  // through a view the region made of it too. One pass with the accesses.
+  c10::SmallVector<const c10::TensorImpl*, 4> written;
   if (!view) {
-    // The index of each external tensor's first access that reads its value: not a view
-    // op, not an argument the op declares it writes (the batch norms' undeclared writes of
-    // their running statistics read them too, and write nothing in eval mode); through a
-    // view the region made of it too.
-    c10::SmallVector<const c10::TensorImpl*, 4> written;
     for (int i : declared) {
       if (i >= 0 && static_cast<size_t>(i) < args.size()) {
         for_tensors(args[static_cast<size_t>(i)],
                     [&](const at::Tensor& t) { written.push_back(t.unsafeGetTensorImpl()); });
       }
     }
-    for (const auto& v : args) {
-      for_tensors(v, [&](const at::Tensor& t) {
-        const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-        if (std::find(written.begin(), written.end(), impl) != written.end()) return;
-        if (Read* rec = find(t)) {
-          rec->last_read = static_cast<int64_t>(rec->ops.size()) - 1;  // (this access)
-          if (rec->first_read < 0) rec->first_read = rec->last_read;
-          return;
-        }
-        const auto alias = alias_of_.find(impl);
-        if (alias == alias_of_.end()) return;
-        const auto it = reads_.find(alias->second);
-        if (it != reads_.end()) {
-          Read& root = it->second;
-          root.last_read = static_cast<int64_t>(root.ops.size());  // (the next index)
-          if (root.first_read < 0) root.first_read = root.last_read;
-        }
-      });
-    }
+  }
+  for (const auto& v : args) {
+    for_tensors(v, [&](const at::Tensor& t) {
+      Read* rec = note(t, op_key, op);
+      const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+      if (view || std::find(written.begin(), written.end(), impl) != written.end()) return;
+      if (rec != nullptr) {
+        rec->last_read = static_cast<int64_t>(rec->ops.size()) - 1;  // (this access)
+        if (rec->first_read < 0) rec->first_read = rec->last_read;
+        return;
+      }
+      if (alias_of_.empty()) return;
+      const auto alias = alias_of_.find(impl);
+      if (alias == alias_of_.end()) return;
+      const auto it = reads_.find(alias->second);
+      if (it != reads_.end()) {
+        Read& root = it->second;
+        root.last_read = static_cast<int64_t>(root.ops.size());  // (the next index)
+        if (root.first_read < 0) root.first_read = root.last_read;
+      }
+    });
   }
   for (int i : writes) {
     if (i >= 0 && static_cast<size_t>(i) < args.size()) {

@@ -157,7 +157,9 @@ class ExternalReads {
   static constexpr size_t kMaxSteps = 8;
   static constexpr size_t kMaxStepBytes = size_t{1} << 20;  // (past the first step)
 
-  void note(const at::Tensor& t, int64_t op_key, const void* op);
+  // Notes an access of `t` (a first one makes its record); its record, or nullptr for a
+  // tensor the region produced.
+  Read* note(const at::Tensor& t, int64_t op_key, const void* op);
   // A later access of an external tensor (a storage replaced since is followed).
   void again(Read& rec, const c10::TensorImpl* impl, const at::Tensor& t, const void* op);
   // Recompute: whether this access of `t` (written by the forward) reads the copy holding
