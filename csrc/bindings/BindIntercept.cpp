@@ -126,6 +126,8 @@ csrc/hyper_parallel/activation/OpInterceptor.h.)doc")
            py::arg("tensor"),
            "(tensor to save in place of `tensor`, whether it shares memory with a private "
            "copy of a written external tensor); see ExternalReads::recompute_save.")
+      .def("read_in_forward", &SacRegion::read_in_forward, py::arg("tensor"),
+           "Whether the forward read `tensor`'s value (ExternalReads::read_in_forward).")
       .def("add_excluding", &SacRegion::add_excluding, py::arg("delta"))
       .def_property_readonly("intercepted", &SacRegion::intercepted)
       .def_property_readonly("python_calls", &SacRegion::python_calls);

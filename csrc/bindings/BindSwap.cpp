@@ -479,6 +479,30 @@ py::tuple put_module_state(const py::tuple& refs, bool undo) {
   return out;
 }
 
+// The offsets into `refs` (module_state_refs' entries) of the buffer slots that hold
+// another tensor now than when `refs` was taken: buffers the forward reassigned
+// (`self.cache = ...`, `register_buffer` again). A key no longer in its dict, and a tensor
+// subclass or non-tensor on either side, are left out (as put_module_state leaves them).
+// Usually empty; one pointer comparison per buffer.
+py::list reassigned_buffers(const py::tuple& refs) {
+  py::list out;
+  const Py_ssize_t n = PyTuple_GET_SIZE(refs.ptr());
+  HP_CHECK_VALUE(n % 4 == 0, "reassigned_buffers takes module_state_refs' entries");
+  for (Py_ssize_t i = 0; i < n; i += 4) {
+    if (PyTuple_GET_ITEM(refs.ptr(), i + 3) == Py_True) continue;  // a parameter slot
+    PyObject* now = PyDict_GetItemWithError(PyTuple_GET_ITEM(refs.ptr(), i),
+                                            PyTuple_GET_ITEM(refs.ptr(), i + 1));
+    if (now == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      continue;
+    }
+    PyObject* before = PyTuple_GET_ITEM(refs.ptr(), i + 2);
+    if (now == before || subclass_or_other(now) || subclass_or_other(before)) continue;
+    out.append(py::int_(i));
+  }
+  return out;
+}
+
 }  // namespace
 
 void exclude_tensors(SwapGroup& group, const py::handle& tensors) {
@@ -554,6 +578,9 @@ void bind_swap(py::module_& m) {
   m.def("module_state_refs", &module_state_refs, py::arg("module"),
         "The (dict, key, value) triples of every _parameters / _buffers entry of the module's "
         "tree, flat in one tuple (shared submodules once).");
+  m.def("reassigned_buffers", &reassigned_buffers, py::arg("refs"),
+        "Offsets into module_state_refs' tuple of the buffer slots that hold another tensor "
+        "now (reassigned by the forward).");
   m.def("put_module_state", &put_module_state, py::arg("refs"), py::arg("undo") = false,
         "Puts module_state_refs' values back where the forward's were swapped in for the "
         "forward only (see BindSwap.cpp); returns the replaced entries (pass them back with "

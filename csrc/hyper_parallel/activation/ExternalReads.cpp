@@ -65,6 +65,11 @@ ExternalReads::Read* ExternalReads::find(const at::Tensor& t) {
   return &it->second;
 }
 
+bool ExternalReads::read_in_forward(const at::Tensor& t) {
+  const Read* rec = find(t);
+  return rec != nullptr && rec->first_read >= 0;
+}
+
 ExternalReads::Read* ExternalReads::note(const at::Tensor& t, int64_t op_key, const void* op) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   auto it = reads_.find(impl);

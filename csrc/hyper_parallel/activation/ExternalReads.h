@@ -116,6 +116,11 @@ class ExternalReads {
   std::vector<at::Tensor> written_tensors() const;
 
   size_t reads() const { return reads_.size(); }
+  // Whether the forward read `t`'s value (an op took it, or a view the region made of it,
+  // as an argument whose value it reads: not only a view op, not only a declared write).
+  // Asked after the forward, of a module's buffer the forward replaced by another tensor:
+  // was the old one read? (docs/design.md, "Recompute and state outside the region").
+  bool read_in_forward(const at::Tensor& t);
 
  private:
   // kOverlapped: kept when a write through another tensor of its storage (not itself, not

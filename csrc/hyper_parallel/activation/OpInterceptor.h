@@ -115,6 +115,8 @@ class SacRegion {
   // (its copies run with the interception key excluded: they are not the region's ops)
   ExternalReads::Save recompute_save(const at::Tensor& t);
   std::vector<at::Tensor> written_tensors() const { return external_.written_tensors(); }
+  // Whether the forward read `t`'s value (ExternalReads::read_in_forward).
+  bool read_in_forward(const at::Tensor& t) { return external_.read_in_forward(t); }
   // checkpoint_exclude_wrapper: ops of the forward pass through while > 0.
   void add_excluding(int delta) { excluding_ += delta; }
 

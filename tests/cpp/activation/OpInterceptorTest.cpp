@@ -84,6 +84,27 @@ TEST_F(OpInterceptorTest, RecomputeReadsTheValueForwardReadOfWrittenOutsideState
   EXPECT_TRUE(at::equal(state, at::full({3}, 2.0)));
 }
 
+TEST_F(OpInterceptorTest, TellsWhetherTheForwardReadAnOutsideTensorsValue) {
+  // What _ForwardModuleState asks of a buffer the forward replaced: was the old one read?
+  at::Tensor x = at::randn({3}), read = at::ones({3}), viewed = at::ones({3}),
+             through_view = at::ones({4}), written = at::zeros({3}), never = at::ones({3});
+  auto region = region_saving_mm();
+  region->enter_forward();
+  at::mul(x, read);
+  at::Tensor v = viewed.view({3});                      // a view op reads no value
+  at::add(x, through_view.slice(0, 1, 4));               // read through a view the region made
+  written.fill_(1.0);                                    // a declared write reads no value
+  region->exit();
+  EXPECT_TRUE(region->read_in_forward(read));
+  EXPECT_FALSE(region->read_in_forward(viewed));
+  EXPECT_TRUE(region->read_in_forward(through_view));
+  EXPECT_FALSE(region->read_in_forward(written));
+  EXPECT_FALSE(region->read_in_forward(never));
+  EXPECT_FALSE(region->read_in_forward(x * 1));         // the region's own tensor
+  region->end_forward();
+  EXPECT_TRUE(region->read_in_forward(read));            // (kept past the forward's end)
+}
+
 TEST_F(OpInterceptorTest, OutsideStateModifiedAfterForwardIsAClearError) {
   at::Tensor x = at::randn({3}), scale = at::ones({3});
   auto region = region_saving_mm();

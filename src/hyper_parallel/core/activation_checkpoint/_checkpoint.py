@@ -29,7 +29,7 @@ from torch import nn
 
 from hyper_parallel._extension import _C
 
-from . import _compile, _diagnostics
+from . import _compile, _diagnostics, _recompute_state
 from ._backends import backend_for, wrapper_dispatch
 from ._errors import check_callable
 from ._external import _set_versions, modified_message, tensor_name
@@ -87,7 +87,17 @@ class _ForwardModuleState:
     checkpoint recomputes with the module's own parameters and gives the call's parameters
     silently wrong gradients. In every other case the module holds the same tensors and the
     check costs one walk in C++ per call (docs/design.md, "Recompute and state outside the
-    region")."""
+    region").
+
+    A buffer the forward itself replaced by another tensor (``self.cache = ...``) is put
+    back as it was before the forward only where the forward read that old tensor
+    (``self.count = self.count + 1``: the recompute makes the new one again from it).
+    Otherwise (a cache built or extended behind a Python flag, a lazily made buffer) the
+    recompute, which finds the flag set and skips the assignment, must read the new one,
+    as the forward did after the assignment: it keeps the slot's new tensor. What the
+    forward read is known where the region modes watched it; without them (torch's frame
+    alone: a plain region, ``use_reentrant=True``, a debug region) the new tensor is kept,
+    as torch's checkpoint does, and a plain region is probed again at its next call."""
 
     __slots__ = ("fn", "module", "refs")
 
@@ -98,8 +108,12 @@ class _ForwardModuleState:
 
     def __call__(self, *args):
         if self.refs is None:
-            self.refs = _C.module_state_refs(self.module)
-            return self.fn(*args)
+            self.refs = refs = _C.module_state_refs(self.module)
+            out = self.fn(*args)
+            moved = _C.reassigned_buffers(refs)
+            if moved:
+                self._settle(moved)
+            return out
         undo = _C.put_module_state(self.refs)
         if not undo:
             return self.fn(*args)
@@ -107,6 +121,20 @@ class _ForwardModuleState:
             return self.fn(*args)
         finally:
             _C.put_module_state(undo, True)
+
+    def _settle(self, moved) -> None:
+        """After the forward: for each buffer slot (offset into ``refs``) that it
+        reassigned, which tensor the recompute starts from (class docstring)."""
+        state = _recompute_state.get_recompute_state()
+        refs = list(self.refs)
+        for i in moved:
+            read = None if state is None else _recompute_state.read_in_forward(state,
+                                                                              refs[i + 2])
+            if read is not True:
+                refs[i + 2] = refs[i].get(refs[i + 1])  # the forward's new tensor
+            if read is not False and state is not None:
+                state.reassigned = True
+        self.refs = tuple(refs)
 
 
 def _region_call(function, args: tuple, kwargs: dict):
@@ -394,9 +422,10 @@ def _probe_slot(function, args, kwargs):
 
 class _Plain:
     """What the probe learned of a target that needed no region modes: the training flags
-    it was probed under, weak references to the tensors from outside the region that its
-    forward read (the module's parameters and buffers, closures; not the call's
-    arguments), and to its module's buffers (state a later call may start writing)."""
+    it was probed under, getters of the tensors from outside the region that its forward
+    read (the module's parameters and buffers by their slot, closures' tensors by a weak
+    reference; not the call's arguments), and of its module's buffers (state a later call
+    may start writing): each getter returns the tensor or None (see ``_learn``)."""
 
     __slots__ = ("training", "reads", "buffers")
 
@@ -414,29 +443,45 @@ def _plain_learned(slot):
     return learned if isinstance(learned, _Plain) and learned.training == training else None
 
 
-def _learn(table, key, training, arg_ids, buffers, needed: bool, reads=()) -> None:
-    """Records the probe's result: ``reads``, the outside tensors its forward read, and
-    ``buffers``, the region's module's buffers (state a later call may start writing),
-    are what a plain call guards (_PlainGuard); ``arg_ids``: the call's argument tensors,
-    left out."""
+def _learn(table, key, training, arg_ids, function, needed: bool, reads=()) -> None:
+    """Records the probe's result (called after its forward): ``reads``, the outside
+    tensors its forward read, and the buffers of ``function``'s module (state a later call
+    may start writing) are what a plain call guards (_PlainGuard); ``arg_ids``: the call's
+    argument tensors, left out. A parameter or buffer is kept as its slot in the module
+    (the tensor the module holds at each later call is the one guarded: a buffer replaced
+    between calls, ``m.scale = m.scale * 1.0``, is checked too; tester, session 19), any
+    other tensor by a weak reference."""
     if needed:
         table[key] = _NEEDS_MODES
         return
+    slots, buffers = _state_slots(function)
     read = [t for t in reads if id(t) not in arg_ids]
     seen = {id(t) for t in read}
-    table[key] = _Plain(training, tuple(weakref.ref(t) for t in read),
-                        tuple(weakref.ref(b) for b in buffers
+    table[key] = _Plain(training,
+                        tuple(slots.get(id(t)) or weakref.ref(t) for t in read),
+                        tuple(slots[id(b)] for b in buffers
                               if id(b) not in seen and id(b) not in arg_ids))
 
 
-def _region_buffers(function) -> list:
-    """The buffers of the module a region runs (the function itself, a bound method's
-    module, or a wrapper's ``fn``), or none."""
+def _state_slots(function) -> tuple:
+    """``({id(tensor): getter}, buffers)`` for the module a region runs (the function
+    itself, a bound method's module, or a wrapper's ``fn``): for each parameter and buffer
+    of its tree a getter of what its slot holds (``dict.get`` on the module's own dict),
+    and the buffers; empty for other callables."""
     module = function if isinstance(function, nn.Module) else getattr(function, "__self__",
                                                                        None)
     if not isinstance(module, nn.Module):
         module = getattr(function, "fn", None)
-    return list(module.buffers()) if isinstance(module, nn.Module) else []
+    if not isinstance(module, nn.Module):
+        return {}, []
+    slots, buffers = {}, []
+    for m in module.modules():
+        for entries in (m._parameters, m._buffers):
+            for name, t in entries.items():
+                if isinstance(t, torch.Tensor) and id(t) not in slots:
+                    slots[id(t)] = functools.partial(entries.get, name)
+        buffers.extend(t for t in m._buffers.values() if isinstance(t, torch.Tensor))
+    return slots, buffers
 
 
 class _PlainGuard:
@@ -475,6 +520,11 @@ class _PlainGuard:
 
     def end_forward(self, ok: bool) -> None:
         after = [t._version for t in self._tensors]
+        state = _recompute_state.get_recompute_state()
+        if ok and state is not None and state.reassigned:
+            # a buffer replaced by this forward (_ForwardModuleState): probed again
+            table, key, _ = self._slot
+            table[key] = _NEEDS_MODES
         if ok and after != self._versions:
             table, key, _ = self._slot
             table[key] = _NEEDS_MODES  # (the next call runs the region modes)
@@ -730,7 +780,7 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
         ckpt_kwargs["context_fn"] = state_context_fn(context_fn, guard)
     else:
         report = functools.partial(_learn, *slot, _argument_ids(args, kwargs),
-                                   _region_buffers(function)) if slot is not None else None
+                                   function) if slot is not None else None
         ckpt_kwargs["context_fn"] = region_context_fn(policy, context_fn,
                                                       allow_cache_entry_mutation,
                                                       _describer(function), report)

@@ -339,6 +339,13 @@ class ExternalTensors:
                 out.append(t)
         return out
 
+    def read_in_forward(self, t) -> bool:
+        """Whether the forward read ``t``'s value (an op, or one through a view the region
+        made of it, took it as an argument it reads: not only view ops or declared
+        writes)."""
+        rec = self._reads.get(id(t))
+        return rec is not None and rec.ref() is t and rec.first_read is not None
+
     @property
     def written(self) -> int:
         """External tensors the forward wrote (a copy of each is kept)."""

@@ -32,14 +32,19 @@ class RecomputeState:
             not be found); used by scheduled recompute.
     """
 
-    __slots__ = ("is_recomputing", "frame", "excluding", "native", "_exclusions", "_cursor",
-                 "__weakref__")
+    __slots__ = ("is_recomputing", "frame", "excluding", "native", "external", "reassigned",
+                 "_exclusions", "_cursor", "__weakref__")
 
     def __init__(self) -> None:
         self.is_recomputing = False
         self.frame = None
         self.excluding = 0  # > 0 inside a checkpoint_exclude_wrapper's forward
         self.native = None  # the invocation's _C.SacRegion (C++ interception), if any
+        self.external = None  # its ExternalTensors (the Python region modes), if any
+        # Its forward replaced a module buffer by another tensor after reading the old one,
+        # or without the region modes to tell (_checkpoint._ForwardModuleState): the
+        # target is probed again (it is not a plain region).
+        self.reassigned = False
         self._exclusions: dict = {}  # exclusion key -> [kept entries, in call order]
         self._cursor: dict = {}  # exclusion key -> entries handed back in this recompute
 
@@ -78,6 +83,16 @@ def _stack() -> list:
     if stack is None:
         stack = _tls.__dict__["stack"] = []
     return stack
+
+
+def read_in_forward(state: RecomputeState, tensor) -> bool | None:
+    """Whether ``state``'s forward read ``tensor``'s value, as its region modes saw it;
+    None when no region mode watched that forward (torch's frame alone)."""
+    if state.native is not None:
+        return state.native.read_in_forward(tensor)
+    if state.external is not None:
+        return state.external.read_in_forward(tensor)
+    return None
 
 
 def active(state: RecomputeState) -> bool:

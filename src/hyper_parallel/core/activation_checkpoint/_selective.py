@@ -374,6 +374,7 @@ class _RegionState:
         self.region = None
         self.report = None
         self.rstate = _recompute_state.RecomputeState()
+        self.rstate.external = self.external
         self.native = None
         if self.table is not None and NATIVE:
             self.native = _C.SacRegion(self.cache, functools.partial(tensor_name,
@@ -596,7 +597,7 @@ def _end_forward(st: _RegionState, exc_type, exc, tb, written: int) -> None:
     """What the forward of a region leaves behind, whichever path intercepted it: the
     report, the demotion of outputs written later in the forward, the swap region."""
     if exc_type is None and st.report is not None:
-        st.report(written > 0 or bool(st.collectives),
+        st.report(written > 0 or bool(st.collectives) or st.rstate.reassigned,
                   st.external.read_tensors() if st.native is None else ())
     if exc_type is None and st.cache is not None:
         # Outputs written in place later in this forward are replayed instead.

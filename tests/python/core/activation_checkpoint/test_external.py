@@ -1301,3 +1301,143 @@ def test_a_probed_plain_region_ignores_buffers_it_does_not_read_and_undoes_only_
 
     for a, b in zip(two_calls(checkpoint_wrapper), two_calls(lambda m: m)):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ buffers replaced in forward
+
+class _CacheOnce(nn.Module):
+    """Replaces its buffer by a new tensor in its first call only (a lazily built cache
+    behind a Python flag); the old tensor is never read."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4).double()
+        self.register_buffer("cache", torch.ones(4, dtype=torch.float64))
+        self.ready = False
+
+    def forward(self, x):
+        if not self.ready:
+            self.ready = True
+            self.cache = torch.full((4,), 3.0, dtype=torch.float64)
+        return (self.fc(x) * self.cache).sin()
+
+
+class _Rotary(nn.Module):
+    """An older Hugging Face rotary embedding's cache: rebuilt with ``register_buffer``
+    (a new tensor, another shape) when a longer sequence comes, in a submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv", torch.tensor([1.0, 0.5], dtype=torch.float64))
+        self._build(3)
+
+    def _build(self, n):
+        self.n = n
+        t = torch.arange(n, dtype=torch.float64)
+        self.register_buffer("cos", torch.outer(t, self.inv).cos(), persistent=False)
+
+    def forward(self, n):
+        if n > self.n:
+            self._build(n)
+        return self.cos[:n]
+
+
+class _RotaryBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2).double()
+        self.rotary = _Rotary()
+
+    def forward(self, x):
+        return (self.fc(x) * self.rotary(x.shape[0])).tanh()
+
+
+def _steps_grads(make, call, sizes):
+    torch.manual_seed(0)
+    module = make()
+    width = 2 if isinstance(module, _RotaryBlock) else 4
+    out = []
+    for i, n in enumerate(sizes):
+        torch.manual_seed(10 + i)
+        x = torch.randn(n, width, dtype=torch.float64, requires_grad=True)
+        call(module, x).pow(2).sum().backward()
+        out += [x.grad] + [p.grad.clone() for p in module.parameters()]
+        module.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("mode", [*MODES, "reentrant"])
+@pytest.mark.parametrize("make,sizes", [(_CacheOnce, (5, 5, 5)), (_RotaryBlock, (3, 5, 5, 7))],
+                         ids=["cache_once", "rotary_grows_later"])
+def test_a_buffer_replaced_behind_a_flag_is_read_as_the_forward_left_it(make, sizes, mode,
+                                                                        cpu_swap):
+    # (tester, session 19) The recompute put back the buffer the module held before the
+    # forward (right for `self.count = self.count + 1`, whose recompute makes the new one
+    # again from it) also where the forward never read it: the recompute, finding the flag
+    # set, read the old cache: gradients off by 2.05 (torch's checkpoint is right). The
+    # rotary cache grows at a later call, which runs torch's frame alone (the probe found
+    # the region plain), where what the forward read is not known.
+    options = {"use_reentrant": True} if mode == "reentrant" else MODES[mode]
+    if mode == "save_all" and make is _RotaryBlock:
+        # a policy caching the rebuild's own ops cannot replay a recompute that skips them
+        with pytest.raises(RuntimeError, match="the recompute ran another sequence of ops"):
+            _steps_grads(make, lambda m, t: checkpoint(m, t, **options), sizes)
+        return
+    got = _steps_grads(make, lambda m, t: checkpoint(m, t, **options), sizes)
+    want = _steps_grads(make, lambda m, t: m(t), sizes)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+class _CounterEveryCall(nn.Module):
+    """Replaces its counter buffer by one made from it in every call (the old one is read)
+    and scales by the new one."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4).double()
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x):
+        self.count = self.count + 1
+        return (self.fc(x) * self.count).sin()
+
+
+def test_a_buffer_replaced_from_itself_keeps_its_old_value_for_the_recompute(probes):
+    # The counter is read and replaced in every call: the recompute starts from the old
+    # tensor (not the new one: it would count twice), and the probe of the first call sees
+    # that, so the later calls keep the region modes.
+    from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
+
+    got = _steps_grads(_CounterEveryCall, lambda m, t: checkpoint_wrapper(m)(t), (5, 5, 5))
+    want = _steps_grads(_CounterEveryCall, lambda m, t: m(t), (5, 5, 5))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert len(probes) == 3
+
+
+def test_a_plain_regions_guard_checks_a_buffer_replaced_between_calls(probes):
+    # (tester, session 19) The guard of a plain region kept weak references to the tensors
+    # its probe saw; a buffer replaced by attribute assignment between steps (outside the
+    # forward) and then changed in place between a later forward and its backward was not
+    # checked: the recompute read the new value, gradients silently wrong. The guard now
+    # reads the module's slots at each call.
+    from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    module = _ScaledWithEma()
+    wrapped = checkpoint_wrapper(module)
+    for step in range(3):
+        module.scale = module.scale * 1.0  # a new tensor, outside the forward
+        x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+        y = wrapped(x)
+        if step == 2:
+            with torch.no_grad():
+                module.scale.add_(1.0)
+            with pytest.raises(RuntimeError, match="hyper_parallel: the recompute of a "
+                                                   "checkpoint region reads buffer 'scale'"):
+                y.sum().backward()
+        else:
+            y.sum().backward()
+    assert len(probes) == 1
