@@ -66,8 +66,18 @@ ExternalReads::Read* ExternalReads::find(const at::Tensor& t) {
 }
 
 bool ExternalReads::read_in_forward(const at::Tensor& t) {
-  const Read* rec = find(t);
-  return rec != nullptr && rec->first_read >= 0;
+  if (const Read* rec = find(t); rec != nullptr && rec->first_read >= 0) return true;
+  if (!t.has_storage()) return false;
+  // Through another tensor of its storage: `t.data`, `t.detach()` made outside the
+  // interception (a new tensor object each, gone since: their records stay). `t` lived
+  // through the whole forward, so no other storage had its address meanwhile.
+  const auto holders = by_storage_.find(t.storage().unsafeGetStorageImpl());
+  if (holders == by_storage_.end()) return false;
+  for (const c10::TensorImpl* impl : holders->second) {
+    const auto it = reads_.find(impl);
+    if (it != reads_.end() && it->second.first_read >= 0) return true;
+  }
+  return false;
 }
 
 ExternalReads::Read* ExternalReads::note(const at::Tensor& t, int64_t op_key, const void* op) {
@@ -225,7 +235,7 @@ void ExternalReads::forward_outputs(c10::ArrayRef<c10::IValue> outputs,
   }
   for (const auto& v : outputs) {
     for_tensors(v, [&](const at::Tensor& t) {
-      produced_.insert(t.unsafeGetTensorImpl());
+      produced_.try_emplace(t.unsafeGetTensorImpl(), t.getIntrusivePtr());
       if (root != nullptr) alias_of_[t.unsafeGetTensorImpl()] = root;
     });
   }

@@ -116,10 +116,12 @@ class ExternalReads {
   std::vector<at::Tensor> written_tensors() const;
 
   size_t reads() const { return reads_.size(); }
-  // Whether the forward read `t`'s value (an op took it, or a view the region made of it,
-  // as an argument whose value it reads: not only a view op, not only a declared write).
-  // Asked after the forward, of a module's buffer the forward replaced by another tensor:
-  // was the old one read? (docs/design.md, "Recompute and state outside the region").
+  // Whether the forward read `t`'s value (an op took it, a view the region made of it, or
+  // another tensor of its storage such as `t.data`, as an argument whose value it reads:
+  // not only a view op, not only a declared write). Asked after the forward, of a
+  // module's buffer the forward replaced by another tensor, which lived through the whole
+  // forward: was the old one read? (docs/design.md, "Recompute and state outside the
+  // region").
   bool read_in_forward(const at::Tensor& t);
 
  private:
@@ -200,7 +202,12 @@ class ExternalReads {
   // scanning every read: a region reading thousands of outside tensors and writing its
   // own temporaries in place paid reads x writes).
   std::unordered_map<const c10::StorageImpl*, std::vector<const c10::TensorImpl*>> by_storage_;
-  std::unordered_set<const c10::TensorImpl*> produced_;
+  // The region's own tensors (forward only). Each held by a weak reference: a
+  // TensorImpl's memory outlives its last strong reference while a weak one is held, so no
+  // tensor made later in the forward takes a dead one's address (a buffer's `.data`, a new
+  // object over outside memory made without an op, had been taken for the region's own:
+  // its reads were not seen; tester, session 20). Records hold theirs (Read::ref) alike.
+  std::unordered_map<const c10::TensorImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>> produced_;
   // Views the region made of external tensors -> the external tensor (forward only).
   std::unordered_map<const c10::TensorImpl*, const c10::TensorImpl*> alias_of_;
   bool forward_over_ = false;

@@ -402,7 +402,10 @@ std::shared_ptr<SavedHandle> SwapEngine::pack(const std::shared_ptr<SwapGroup>& 
     }
     if (mode == PackMode::kRegisteredOnly) {
       record = group->find(key);
-      if (!record) return nullptr;
+      if (!record) {
+        group->passed.insert(key);  // (a later registration of it comes too late)
+        return nullptr;
+      }
     } else {
       record = registry_.get_or_create(t.storage(), t.scalar_type());
       if (!group->holds(key)) {
@@ -428,6 +431,14 @@ bool SwapEngine::register_tensor(const std::shared_ptr<SwapGroup>& group, const 
   const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
   if (group->excluded.count(key) != 0) {
     count_skipped_locked(group.get(), key, t.storage().nbytes(), SkipReason::kBuffer);
+    return false;
+  }
+  if (group->passed.count(key) != 0 && !group->holds(key)) {
+    // An op of this invocation saved it before it was registered: autograd holds that
+    // tensor as itself, so the storage could never leave the device (it was reported as
+    // in use elsewhere, with no word of why; tester, session 20).
+    count_skipped_locked(group.get(), key, t.storage().nbytes(),
+                         SkipReason::kSavedBeforeRegistration);
     return false;
   }
   auto record = registry_.get_or_create(t.storage(), t.scalar_type());

@@ -55,6 +55,9 @@ class SwapGroup {
   std::shared_ptr<HostBufferPool> host_pool;
   // Storages never swapped for this invocation (the wrapped module's parameters/buffers).
   PointerSet excluded;
+  // Storages a registered-only invocation saw saved unregistered (autograd keeps those
+  // tensors as themselves): a registration of one comes too late (kSavedBeforeRegistration).
+  PointerSet passed;
   // Handles for tensors registered explicitly (swap_tensor_wrapper); they count as
   // hyper_parallel's own references. They do not point back to the group.
   std::vector<std::shared_ptr<SavedHandle>> registrations;

@@ -28,6 +28,8 @@ enum class SkipReason : uint8_t {
   kLastLayer,              // the last layer of a chain keeps its activations (SPEC 3)
   kLinkSaturated,          // its offload was still waiting for the link when its backward
                            // began (docs/design.md, "Offload window")
+  kSavedBeforeRegistration,  // registered (swap_tensor_wrapper) after an op of the layer had
+                             // saved it: autograd holds it as itself, out of the engine's reach
   kCount
 };
 constexpr size_t kNumSkipReasons = static_cast<size_t>(SkipReason::kCount);

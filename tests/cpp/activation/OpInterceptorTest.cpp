@@ -105,6 +105,23 @@ TEST_F(OpInterceptorTest, TellsWhetherTheForwardReadAnOutsideTensorsValue) {
   EXPECT_TRUE(region->read_in_forward(read));            // (kept past the forward's end)
 }
 
+TEST_F(OpInterceptorTest, ATensorMadeWithoutAnOpOverOutsideMemoryIsNotTakenForTheRegions) {
+  // `buf.data` in Python: a new TensorImpl over the buffer's storage, made without an op.
+  // One made after a region tensor died took its address and was taken for the region's
+  // own, so its read went unseen (tester, session 20).
+  at::Tensor x = at::randn({4}), buf = at::ones({4});
+  auto region = region_saving_mm();
+  region->enter_forward();
+  for (int i = 0; i < 8; ++i) {
+    { at::Tensor dead = at::mul(x, 2.0); }  // the region's own, gone at once
+    at::Tensor data = buf.variable_data();  // a new object over outside memory
+    at::mul(data, x);
+  }
+  region->exit();
+  EXPECT_TRUE(region->read_in_forward(buf));
+  region->end_forward();
+}
+
 TEST_F(OpInterceptorTest, OutsideStateModifiedAfterForwardIsAClearError) {
   at::Tensor x = at::randn({3}), scale = at::ones({3});
   auto region = region_saving_mm();

@@ -569,6 +569,7 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
                 f"{type(current).__name__} (not by apply_activation_memory); give "
                 "apply_activation_memory the unwrapped model, or leave that layer out of "
                 "layers=")
+    _refuse_shared_swapped_layers(slots, strategies)
     if any(s != "none" for s in strategies) and _is_transformers_model(model):
         _refuse_hf_checkpointing(model)
 
@@ -622,6 +623,32 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
         {"policy_fn": policy_fn, "swap_inputs": swap_inputs, "group_swap": group_swap}, engine,
         cache_hooks)
     return report
+
+
+def _refuse_shared_swapped_layers(slots, strategies) -> None:
+    """One module at two places of the layer list (a shared layer, ALBERT-style) gets a
+    wrapper per place: checkpoint wrappers are independent regions (each its own place in
+    the swap schedule), but a ``swap_wrapper`` is the module's one place in the schedule's
+    chain, so the module cannot run "swap" at one place and be wrapped at another (the
+    second ``swap_wrapper`` was refused as one the user had made; tester, session 20).
+    Checked before the model is touched.
+
+    Raises:
+        ValueError: naming the shared layer's places.
+    """
+    places: dict = {}
+    for slot, strategy in zip(slots, strategies):
+        places.setdefault(id(slot.layer), []).append((slot.name, strategy))
+    for found in places.values():
+        if len(found) > 1 and any(st == "swap" for _, st in found):
+            names = ", ".join(f"{n} ({st})" for n, st in found)
+            raise ValueError(
+                f"hyper_parallel: layers {names} are one module (a shared layer), and the "
+                "plan gives it 'swap': a swap_wrapper is the module's one place in the swap "
+                "schedule, which chains the layers in forward order, so it cannot take "
+                "several. Give that module another strategy at every place (e.g. "
+                "'checkpoint', 'selective_swap' or 'checkpoint_swap', whose wrappers are "
+                "one region per place), or give each place its own module.")
 
 
 def _set_engine(depth: int | None, window: int | None) -> tuple[int | None, int | None]:

@@ -95,9 +95,11 @@ class _ForwardModuleState:
     Otherwise (a cache built or extended behind a Python flag, a lazily made buffer) the
     recompute, which finds the flag set and skips the assignment, must read the new one,
     as the forward did after the assignment: it keeps the slot's new tensor. What the
-    forward read is known where the region modes watched it; without them (torch's frame
-    alone: a plain region, ``use_reentrant=True``, a debug region) the new tensor is kept,
-    as torch's checkpoint does, and a plain region is probed again at its next call."""
+    forward read is known where the region modes watched it. Without them (torch's frame
+    alone: a plain region, ``use_reentrant=True``, a debug region) a new tensor of the old
+    one's shape is taken for an update made from it (the old one is put back), one of
+    another shape for a cache rebuilt for a new size (the new one is kept); a plain region
+    is then probed again at its next call."""
 
     __slots__ = ("fn", "module", "refs")
 
@@ -127,13 +129,28 @@ class _ForwardModuleState:
         reassigned, which tensor the recompute starts from (class docstring)."""
         state = _recompute_state.get_recompute_state()
         refs = list(self.refs)
+        # Tensors other buffer slots still hold: a read of one may have gone through them
+        # (one tensor registered in two modules, one of which rebuilds its own): not
+        # through the slot that now holds another (tester, session 20).
+        held = {id(refs[j].get(refs[j + 1])) for j in range(0, len(refs), 4)
+                if refs[j + 3] is False}
         for i in moved:
-            read = None if state is None else _recompute_state.read_in_forward(state,
-                                                                              refs[i + 2])
-            if read is not True:
-                refs[i + 2] = refs[i].get(refs[i + 1])  # the forward's new tensor
-            if read is not False and state is not None:
+            old, new = refs[i + 2], refs[i].get(refs[i + 1])
+            if id(old) in held:
+                read = False
+            else:
+                read = None if state is None else _recompute_state.read_in_forward(state, old)
+            if read is None:
+                # Not watched: a tensor of the old one's shape is taken for an update of its
+                # value made from it (a counter, an EMA switched on after the probe), one of
+                # another shape for a cache rebuilt for a new size (docs/design.md).
+                read = tuple(old.shape) == tuple(new.shape)
+                if state is not None:
+                    state.reassigned = True  # (a plain region is probed again)
+            elif read and state is not None:
                 state.reassigned = True
+            if not read:
+                refs[i + 2] = new  # the forward's new tensor
         self.refs = tuple(refs)
 
 
@@ -243,10 +260,15 @@ def _argument_ids(args, kwargs) -> frozenset:
     return frozenset(ids)
 
 
-def _describer(function):
+def _describer(function, module=None):
     """``describe(tensor)`` for error messages: the name of a parameter or buffer of the
-    region's module (looked up only when an error is raised)."""
-    module = function if isinstance(function, nn.Module) else getattr(function, "fn", None)
+    region's module (looked up only when an error is raised): ``module``, or the function
+    itself, a wrapper's ``fn``, a bound method's module (``m.forward``, Hugging Face's
+    ``layer.__call__``)."""
+    if not isinstance(module, nn.Module):
+        module = function if isinstance(function, nn.Module) else getattr(function, "fn", None)
+    if not isinstance(module, nn.Module):
+        module = getattr(function, "__self__", None)
     if not isinstance(module, nn.Module):
         return None
 
@@ -375,9 +397,10 @@ def _training(module: nn.Module) -> tuple:
 
 
 def _probe_slot(function, args, kwargs):
-    """Where a full-recompute region's probe result is kept: ``(table, key, training)``,
-    or None (not kept: probed at every call). ``training``: the training flags of the
-    module tree involved (None without one); a result is used only under the same flags.
+    """Where a full-recompute region's probe result is kept: ``(table, key, training,
+    module)``, or None (not kept: probed at every call). ``training``: the training flags
+    of the module tree involved (None without one); a result is used only under the same
+    flags. ``module``: that module (None without one).
 
     The key is the target module, or for a callable the module it involves: a module
     among its arguments (directly, in a container or object, as a bound method) or held
@@ -407,9 +430,9 @@ def _probe_slot(function, args, kwargs):
         return None
     if isinstance(target, nn.Module):
         found.pop(id(target), None)
-        return (_PLAIN_TARGETS, target, _training(target)) if not found else None
+        return (_PLAIN_TARGETS, target, _training(target), target) if not found else None
     if not found:
-        return _PLAIN_TARGETS, key, None
+        return _PLAIN_TARGETS, key, None, None
     if len(found) > 1:
         return None
     (module,) = found.values()
@@ -417,7 +440,7 @@ def _probe_slot(function, args, kwargs):
     if table is None:
         table = _WeakIdMap()
         _PLAIN_BY_MODULE[module] = table
-    return table, key, _training(module)
+    return table, key, _training(module), module
 
 
 class _Plain:
@@ -438,23 +461,23 @@ class _Plain:
 def _plain_learned(slot):
     """The :class:`_Plain` the probe learned for the target under these training flags, or
     None."""
-    table, key, training = slot
+    table, key, training, _ = slot
     learned = table.get(key)
     return learned if isinstance(learned, _Plain) and learned.training == training else None
 
 
-def _learn(table, key, training, arg_ids, function, needed: bool, reads=()) -> None:
+def _learn(table, key, training, arg_ids, module, needed: bool, reads=()) -> None:
     """Records the probe's result (called after its forward): ``reads``, the outside
-    tensors its forward read, and the buffers of ``function``'s module (state a later call
-    may start writing) are what a plain call guards (_PlainGuard); ``arg_ids``: the call's
-    argument tensors, left out. A parameter or buffer is kept as its slot in the module
+    tensors its forward read, and the buffers of ``module`` (the module the call involves,
+    or None; state a later call may start writing) are what a plain call guards
+    (_PlainGuard); ``arg_ids``: the call's argument tensors, left out. A parameter or buffer is kept as its slot in the module
     (the tensor the module holds at each later call is the one guarded: a buffer replaced
     between calls, ``m.scale = m.scale * 1.0``, is checked too; tester, session 19), any
     other tensor by a weak reference."""
     if needed:
         table[key] = _NEEDS_MODES
         return
-    slots, buffers = _state_slots(function)
+    slots, buffers = _state_slots(module)
     read = [t for t in reads if id(t) not in arg_ids]
     seen = {id(t) for t in read}
     table[key] = _Plain(training,
@@ -463,15 +486,11 @@ def _learn(table, key, training, arg_ids, function, needed: bool, reads=()) -> N
                               if id(b) not in seen and id(b) not in arg_ids))
 
 
-def _state_slots(function) -> tuple:
-    """``({id(tensor): getter}, buffers)`` for the module a region runs (the function
-    itself, a bound method's module, or a wrapper's ``fn``): for each parameter and buffer
-    of its tree a getter of what its slot holds (``dict.get`` on the module's own dict),
-    and the buffers; empty for other callables."""
-    module = function if isinstance(function, nn.Module) else getattr(function, "__self__",
-                                                                       None)
-    if not isinstance(module, nn.Module):
-        module = getattr(function, "fn", None)
+def _state_slots(module) -> tuple:
+    """``({id(tensor): getter}, buffers)`` for ``module`` (the module a region's call
+    involves: _probe_slot): for each parameter and buffer of its tree a getter of what its
+    slot holds (``dict.get`` on the module's own dict), and the buffers; empty for
+    None."""
     if not isinstance(module, nn.Module):
         return {}, []
     slots, buffers = {}, []
@@ -523,10 +542,10 @@ class _PlainGuard:
         state = _recompute_state.get_recompute_state()
         if ok and state is not None and state.reassigned:
             # a buffer replaced by this forward (_ForwardModuleState): probed again
-            table, key, _ = self._slot
+            table, key, _, _ = self._slot
             table[key] = _NEEDS_MODES
         if ok and after != self._versions:
-            table, key, _ = self._slot
+            table, key, _, _ = self._slot
             table[key] = _NEEDS_MODES  # (the next call runs the region modes)
             self._written = [t for t, v, w in zip(self._tensors, after, self._versions)
                              if v != w]
@@ -536,7 +555,7 @@ class _PlainGuard:
         # (only what the forward read: a buffer it never read may change meanwhile)
         for t, v in zip(self._tensors[:self._reads], self._versions):
             if t._version != v:
-                name = tensor_name(t, _describer(self._function))
+                name = tensor_name(t, _describer(self._function, self._slot[3]))
                 raise RuntimeError(modified_message(name, t, "the recompute", v))
         self._restore = [(t, t.detach().clone(), t._version) for t in self._written]
 
@@ -779,11 +798,12 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
             else None
         ckpt_kwargs["context_fn"] = state_context_fn(context_fn, guard)
     else:
-        report = functools.partial(_learn, *slot, _argument_ids(args, kwargs),
-                                   function) if slot is not None else None
+        report = functools.partial(_learn, *slot[:3], _argument_ids(args, kwargs),
+                                   slot[3]) if slot is not None else None
         ckpt_kwargs["context_fn"] = region_context_fn(policy, context_fn,
                                                       allow_cache_entry_mutation,
-                                                      _describer(function), report)
+                                                      _describer(function, slot and slot[3]),
+                                                      report)
     call, call_args = _region_call(function, args, kwargs)
     if debug_region:
         call = debug_call(call)  # exclusion regions inside warn that they run again
@@ -806,7 +826,8 @@ def checkpoint(function, *args, policy_fn=None, swap_inputs=False, context_fn=No
             # checkpoint"), so a policy that never swaps costs no group or hook.
             opened = []
             ckpt_kwargs["context_fn"] = region_context_fn(
-                policy, context_fn, allow_cache_entry_mutation, _describer(function), report,
+                policy, context_fn, allow_cache_entry_mutation,
+                _describer(function, slot and slot[3]), report,
                 region_args=dict(name=name, group_swap=group_swap, cpu_pool=pool,
                                  quiet=getattr(function, "_hp_unschedulable", False)),
                 on_region=opened.append)

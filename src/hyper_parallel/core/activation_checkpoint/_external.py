@@ -147,7 +147,10 @@ class ExternalTensors:
         # the reads of each storage: a write looks its storage up instead of scanning
         # every read (reads x writes in a region reading thousands of outside tensors)
         self._by_storage: dict = {}
-        self._produced: set | None = set()
+        # The region's own tensors: id -> weak reference (forward only). Python reuses a
+        # dead object's id; an outside tensor made in the forward without an op (a buffer's
+        # `.data`) must not be taken for a dead one of the region's (tester, session 20).
+        self._produced: dict | None = {}
         # views (and aliases: detach) the region made of an external tensor, directly or
         # through other such views: id -> the external tensor's id
         self._alias_of: dict = {}
@@ -182,6 +185,8 @@ class ExternalTensors:
             key = id(t)
             read = not view and key not in written
             rec = reads.get(key)
+            if rec is not None and rec.ref() is None:
+                rec = None  # (a dead record's id, reused: its storage index keeps it)
             if rec is not None:
                 if rec.ref() is not t:
                     continue
@@ -193,7 +198,7 @@ class ExternalTensors:
                     rec.last_read = len(ops) - 1
                     if rec.first_read is None:
                         rec.first_read = rec.last_read
-            elif key not in produced:
+            elif not self._is_produced(t):
                 rec = self._note(key, t, op)
                 if read:
                     rec.first_read = rec.last_read = 0
@@ -207,6 +212,10 @@ class ExternalTensors:
         if writes:
             for t in iter_tensors(tuple(written_targets(args, kwargs, writes))):
                 self._before_write(t, declared)
+
+    def _is_produced(self, t) -> bool:
+        ref = self._produced.get(id(t))
+        return ref is not None and ref() is t
 
     def _note(self, key, t, op: str):
         rec = self._reads[key] = _Read(t, op)
@@ -261,7 +270,7 @@ class ExternalTensors:
             # checks the value. Every write counts, not only the first (tester, session
             # 18: a second write through an outside view was lost from the copy).
             other = u is not t and not (
-                id(t) in self._produced
+                self._is_produced(t)
                 and (t._base is u or self._alias_of.get(id(t)) == id(u)))
             if snap is not None:
                 rec.by_other = rec.by_other or other
@@ -298,8 +307,11 @@ class ExternalTensors:
             return
         outs = [out] if isinstance(out, _Tensor) else (
             list(iter_tensors(out)) if isinstance(out, (list, tuple)) else [])
+        alias_of = self._alias_of
         for t in outs:
-            produced.add(id(t))
+            produced[id(t)] = weakref.ref(t)
+            if alias_of:
+                alias_of.pop(id(t), None)  # (a dead view's id, reused)
         if source is not None and isinstance(source, _Tensor):
             key = id(source)
             rec = self._reads.get(key)
@@ -340,11 +352,15 @@ class ExternalTensors:
         return out
 
     def read_in_forward(self, t) -> bool:
-        """Whether the forward read ``t``'s value (an op, or one through a view the region
-        made of it, took it as an argument it reads: not only view ops or declared
-        writes)."""
+        """Whether the forward read ``t``'s value (an op took it, one through a view the
+        region made of it, or another tensor of its storage such as ``t.data``, as an
+        argument it reads: not only view ops or declared writes). For a tensor that lived
+        through the whole forward (no other storage had its address meanwhile)."""
         rec = self._reads.get(id(t))
-        return rec is not None and rec.ref() is t and rec.first_read is not None
+        if rec is not None and rec.ref() is t and rec.first_read is not None:
+            return True
+        return any(r.first_read is not None
+                   for r in self._by_storage.get(_storage_key(t), ()))
 
     @property
     def written(self) -> int:

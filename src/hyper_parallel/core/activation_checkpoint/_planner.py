@@ -146,7 +146,8 @@ class ActivationPlan:
 
         Every field is checked at load: strategies a dict of layer name -> per-layer
         strategy name; byte counts, ``prefetch_depth`` and ``offload_window`` ints >= 0;
-        seconds finite and >= 0 (a row's ``added_seconds`` finite, of either sign).
+        seconds finite and >= 0 (a row's ``added_seconds`` finite, of either sign); the
+        rows, when given, one per layer of ``strategies`` in its order, with its strategy.
 
         Raises:
             ValueError: when ``text`` is not such a plan (the message names the bad
@@ -195,6 +196,12 @@ class ActivationPlan:
         if not isinstance(rows, list):
             _bad_json(f"field 'rows' is {type(rows).__name__}, not a list")
         d = dict(d, rows=[_row(r, i) for i, r in enumerate(rows)])
+        # The rows are the table explain() prints: one per layer of the plan, in its order,
+        # each with the layer's strategy (tester, session 20: rows contradicting the
+        # strategies loaded, and explain() described another plan than the one applied).
+        if d["rows"] and [(r.name, r.strategy) for r in d["rows"]] != list(strategies.items()):
+            _bad_json("field 'rows' does not match field 'strategies' (one row per layer, in "
+                      "the same order, with the same strategy)")
         return cls(**d)
 
 
@@ -276,15 +283,33 @@ def _window(offload_window: int | None) -> int:
     return offload_window
 
 
+# Ties between a strategy that recomputes and one that does not (equal measured times: the
+# profile floors a recomputing strategy's times at "none"'s, _profile._floor_by_twin) go to
+# the one that recomputes less: its backward is charged this many seconds per byte it
+# recomputes (1 us per GB, far below any measured difference; as the planner's
+# kTrafficSecondsPerByte for host traffic). Without it the one that keeps fewer bytes
+# dominates at equal time, and an unlimited budget was answered with checkpointed layers.
+_RECOMPUTE_TIE_SECONDS_PER_BYTE = 1e-15
+
+
+def _recompute_tie(profile: ActivationProfile, s: str, k: int) -> float:
+    if not STRATEGIES[s].recomputes or "none" not in profile.costs:
+        return 0.0
+    c = profile.costs[s][k]
+    recomputed = profile.costs["none"][k].kept_bytes - c.kept_bytes - c.offload_bytes
+    return _RECOMPUTE_TIE_SECONDS_PER_BYTE * max(0, recomputed)
+
+
 def _cpp_profile(profile: ActivationProfile, prefetch_depth: int = 1, offload_window: int = 0):
     p = _C.PlannerProfile()
     p.prefetch_depth = int(prefetch_depth)
     p.offload_window = int(offload_window)
     p.options = list(profile.strategies)
     p.layers = [[_C.PlannerOptionCost(c.kept_bytes, c.offload_bytes, c.forward_seconds,
-                                      c.backward_seconds, deferred_bytes=c.deferred_bytes,
+                                      c.backward_seconds + _recompute_tie(profile, s, k),
+                                      deferred_bytes=c.deferred_bytes,
                                       shared_bytes=c.shared_bytes, held_bytes=c.held_bytes)
-                 for c in (profile.costs[s][k] for s in profile.strategies)]
+                 for s, c in ((s, profile.costs[s][k]) for s in profile.strategies)]
                 for k in range(len(profile.layer_names))]
     p.base_bytes = int(profile.base_bytes)
     p.tail_bytes = int(profile.tail_bytes)

@@ -45,7 +45,7 @@ cost model of ``csrc/hyper_parallel/planner/CostModel.h`` needs:
   times measured below its resident twin's (``swap`` / ``none``, ``selective_swap`` /
   ``selective``, ``checkpoint_swap`` / ``checkpoint``) are raised to them: the same compute
   plus the copies' work is never faster, and noise that says so makes plans swap for
-  nothing (``_floor_by_twin``).
+  nothing; so are a recomputing strategy's below ``none``'s (``_floor_by_twin``).
 
 and, outside the layers: the bytes saved before the first layer (held all step), those
 saved after the last one (the head and loss, freed before the layers' backward, except
@@ -937,20 +937,25 @@ def measure_copy_links(device: torch.device, nbytes: int, repeats: int = 5,
     return fit_copy_link(points["d2h"]), fit_copy_link(points["h2d"])
 
 
-# A swapping strategy runs its resident twin's compute plus the copies' host work and
-# contention: it is never faster. (strategy, its twin)
-_RESIDENT_TWIN = (("swap", "none"), ("selective_swap", "selective"),
-                  ("checkpoint_swap", "checkpoint"))
+# A strategy that recomputes runs "none"'s compute plus the recompute, and a swapping one
+# its resident twin's compute plus the copies' host work and contention: neither is ever
+# faster than the other of its pair. (strategy, its twin), recomputing pairs first so that
+# the swapping ones are floored by floored twins.
+_RESIDENT_TWIN = (("checkpoint", "none"), ("selective", "none"), ("swap", "none"),
+                  ("selective_swap", "selective"), ("checkpoint_swap", "checkpoint"))
 
 
 def _floor_by_twin(runs: dict) -> None:
-    """Per layer, the forward and backward times of a swapping strategy measured below its
-    resident twin's are set to the twin's (in place). The planner picks per layer whatever
-    was measured fastest, so a swap step that noise made look faster than "none" (on a
-    shared 2-core machine the same plan's step moved 6-26 % between two measurements)
-    became plans that swap for nothing: at a budget "none" met, 7 of 8 layers swapped
-    (bench_planner, 2026-12-06). Backward times are net of the engine's stalls, which the
-    cost model adds from the link."""
+    """Per layer, the forward and backward times of a recomputing or swapping strategy
+    measured below its twin's are set to the twin's (in place). The planner picks per
+    layer whatever was measured fastest, so a swap step that noise made look faster than
+    "none" (on a shared 2-core machine the same plan's step moved 6-26 % between two
+    measurements) became plans that swap for nothing: at a budget "none" met, 7 of 8
+    layers swapped (bench_planner, 2026-12-06); the same for recompute: an unlimited
+    budget answered with checkpointed layers and ``explain()`` showing "recompute -23.84
+    ms" (tester, session 20). At equal times the planner prefers the strategy that
+    recomputes less (``_planner._cpp_profile``). Backward times are net of the engine's
+    stalls, which the cost model adds from the link."""
     for swapping, twin in _RESIDENT_TWIN:
         if swapping not in runs or twin not in runs:
             continue

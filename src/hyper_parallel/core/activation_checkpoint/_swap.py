@@ -171,9 +171,14 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False, cpu_pool=None):
     """Registers the tensors in ``target`` with the current swap group; returns ``target``.
 
     Call it inside a layer's forward (a swap/checkpoint region, a wrapper, or a module
-    registered with ``SwapManager().set_forward_prefetch_layer``). The storages of the
-    registered tensors are offloaded with the group and prefetched before its backward;
-    other saved tensors of a plain registered module stay on device.
+    registered with ``SwapManager().set_forward_prefetch_layer``), right where the tensor is
+    made, before the ops that use it. The storages of the registered tensors are offloaded
+    with the group and prefetched before its backward; other saved tensors of a plain
+    registered module stay on device. A tensor an op of the layer already saved (autograd
+    keeps it as itself) cannot be offloaded: its registration is skipped
+    (``stats()["skipped"]["saved_before_registration"]``) with a warning; that includes an
+    op's output that the op itself saves (``tanh``, ``sigmoid``, ``exp``, ``softmax``),
+    which ``swap_wrapper`` or a ``MUST_SWAP`` policy offloads.
 
     Args:
         target: a tensor or a nested container (tuple, list, dict) of tensors

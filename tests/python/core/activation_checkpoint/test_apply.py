@@ -267,6 +267,37 @@ def test_layer_wrapped_by_hand_is_refused():
     assert isinstance(model.layers[1], Block)
 
 
+@pytest.mark.parametrize("plan", ["checkpoint", "selective_swap", "checkpoint_swap", "mixed",
+                                  "swap", ["swap", "checkpoint", "checkpoint", "swap"]],
+                         ids=["checkpoint", "selective_swap", "checkpoint_swap", "mixed", "swap",
+                              "swap_at_one_place"])
+def test_a_shared_layer_takes_a_wrapper_per_place_or_a_clear_error(plan, cpu_swap):
+    # (tester, session 20) A module at two places of the layer list (ALBERT-style sharing):
+    # "swap" raised "already has a swap_wrapper ... drop the first wrapper", a wrapper the
+    # user never made. Checkpoint wrappers are a region per place and train bitwise; a
+    # swap_wrapper is the module's one place in the schedule: refused, naming the places,
+    # before the model is touched.
+    torch.manual_seed(0)
+    model = Stack(layers=4)
+    model.layers[2] = model.layers[0]
+    reference = twin(model)
+    x = torch.randn(2, 4, 32)
+    reference(x).backward()
+    strategies = plan if isinstance(plan, list) else [plan] * 4
+    if plan == "mixed" or "swap" not in (strategies[0], strategies[2]):
+        apply_activation_memory(model, plan)
+        model(x).backward()
+        SwapManager().synchronize()
+        assert_bitwise(grads(model), grads(reference))
+        remove_activation_memory(model)
+        return
+    layers = list(model.layers)
+    with pytest.raises(ValueError, match=r"hyper_parallel: layers layers\.0 \(\w+\), "
+                                         r"layers\.2 \(\w+\) are one module \(a shared layer\)"):
+        apply_activation_memory(model, plan)
+    assert list(model.layers) == layers
+
+
 def test_failure_half_way_rolls_back(monkeypatch):
     from hyper_parallel.core.activation_checkpoint import _apply
 

@@ -13,6 +13,7 @@ from hyper_parallel.core.activation_checkpoint import (
     SwapManager,
     apply_activation_memory,
     checkpoint_wrapper,
+    swap_tensor_wrapper,
     swap_wrapper,
 )
 
@@ -21,7 +22,7 @@ from ._models import Block, Stack, assert_bitwise, grads, twin
 REASONS = {"parameter", "buffer", "host_tensor", "foreign_storage", "copy_on_write",
            "empty_storage", "no_storage", "meta_or_fake", "subclass_or_functional",
            "unsupported_device", "kept_by_policy", "in_use_elsewhere", "last_layer",
-           "link_saturated"}
+           "link_saturated", "saved_before_registration"}
 
 
 def skipped(reason):
@@ -124,6 +125,56 @@ def test_a_storage_held_in_python_stays_on_device(cpu_swap, dev):
     step(model, dev)
     count, nbytes = skipped("in_use_elsewhere")
     assert count >= 1 and nbytes >= held[0].nbytes() > 0
+
+
+class _Registers(nn.Module):
+    """Registers `u` with swap_tensor_wrapper before or after `sin`, which saves it."""
+
+    def __init__(self, late: bool):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.late = late
+
+    def forward(self, h):
+        u = self.a(h)
+        if not self.late:
+            swap_tensor_wrapper(u)
+        v = torch.sin(u)
+        if self.late:
+            swap_tensor_wrapper(u)
+        return h + v
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["before_the_save", "after_the_save"])
+def test_a_registration_after_the_save_is_counted_and_explained(late, cpu_swap, dev):
+    # (tester, session 20) Registered after the op that saves it, a tensor was not offloaded
+    # (autograd keeps it as itself), counted as "in use elsewhere", with no word of why.
+    from hyper_parallel.core.activation_checkpoint import _diagnostics
+
+    _diagnostics._warned.discard("saved_before_registration")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Registers(late) for _ in range(3)]).to(dev)
+    reference = twin(model)
+    x = torch.randn(2, 8, device=dev)
+    reference(x).sum().backward()
+    for a, b in zip(model, model[1:]):
+        SwapManager().set_forward_prefetch_layer(a, b)
+    SwapManager().reset_stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x).sum().backward()
+    SwapManager().synchronize()
+    assert_bitwise(grads(model), grads(reference))
+    stats = SwapManager().stats()
+    count, nbytes = skipped("saved_before_registration")
+    said = [str(w.message) for w in caught if "after an op of the layer" in str(w.message)]
+    if late:
+        assert stats["offload_bytes"] == 0
+        assert count == 3 and nbytes == 3 * 2 * 8 * 4  # (each layer registered too late)
+        assert skipped("in_use_elsewhere") == (0, 0)
+        assert len(said) == 1 and "before the ops that use it" in said[0]
+    else:
+        assert stats["offload_bytes"] == 2 * 2 * 8 * 4 and count == 0 and not said
 
 
 def test_cycle_in_the_chain_is_refused():

@@ -543,6 +543,23 @@ def test_from_json_validates_every_field_type_and_range(profiled):
     assert ok.host_budget_bytes == 0 and ok.offload_window == 2
 
 
+def test_from_json_refuses_rows_that_contradict_the_strategies(profiled):
+    # (tester, session 20) Rows with another strategy or another layer than the plan's
+    # loaded, and explain() then described another plan than the one applied.
+    _, _, prof = profiled
+    d = json.loads(prof.plan(int(prof.none_peak_bytes * 0.5)).to_json())
+    assert ActivationPlan.from_json(json.dumps(d)).rows  # (as written: loads)
+    first = d["rows"][0]["strategy"]
+    for change in ({"strategy": "swap" if first != "swap" else "none"},
+                   {"name": "layers.99"}):
+        rows = [dict(d["rows"][0], **change)] + d["rows"][1:]
+        with pytest.raises(ValueError, match="field 'rows' does not match field 'strategies'"):
+            ActivationPlan.from_json(json.dumps({**d, "rows": rows}))
+    with pytest.raises(ValueError, match="field 'rows' does not match"):
+        ActivationPlan.from_json(json.dumps({**d, "rows": d["rows"][:-1]}))
+    assert ActivationPlan.from_json(json.dumps({**d, "rows": []})).rows == []
+
+
 def test_parse_budget_strings_follow_the_number_rules():
     # A string and the number it spells give the same result, or the same error.
     for text, number in (("1.5", 1.5), ("2.5e0", 2.5), ("1000.5", 1000.5)):
@@ -642,3 +659,23 @@ def test_core_value_errors_are_value_errors_without_a_cpp_backtrace():
     p.layers = [[_C.PlannerOptionCost(1 << 61, 0, 0.0, 0.0)]]
     with pytest.raises(ValueError, match="more than 2\\^60"):
         _C.Planner(p)
+
+
+def test_at_equal_times_a_budget_everything_fits_keeps_every_layer_resident(profiled):
+    # (tester, session 20) With "checkpoint" and "selective" measured as fast as "none"
+    # (the floor noise leaves them at), the plan keeping fewer bytes dominated at equal time
+    # and an unlimited budget was answered with recomputed layers. Ties now go to the
+    # strategy that recomputes less.
+    import copy
+
+    _, _, prof = profiled
+    even = copy.deepcopy(prof)
+    for name in ("checkpoint", "selective"):
+        for c, n in zip(even.costs[name], even.costs["none"]):
+            c.forward_seconds, c.backward_seconds = n.forward_seconds, n.backward_seconds
+    plan = even.plan(2 ** 62)
+    assert set(plan.strategies.values()) == {"none"}
+    assert all(r.added_seconds >= 0 for r in plan.rows)
+    # (and with the budget below "none"'s peak, recompute is still chosen)
+    tight = even.plan(int(even.none_peak_bytes * 0.6))
+    assert any(s != "none" for s in tight.strategies.values())

@@ -493,7 +493,10 @@ def test_profile_gives_each_layer_its_deferred_input(llama_profile):
 
 def test_a_swapping_strategy_is_never_profiled_faster_than_its_resident_twin(llama_profile):
     _, _, profile, _ = llama_profile
-    for swapping, twin in (("swap", "none"), ("checkpoint_swap", "checkpoint")):
+    for swapping, twin in (("swap", "none"), ("checkpoint_swap", "checkpoint"),
+                           ("checkpoint", "none"), ("selective", "none")):
+        if swapping not in profile.costs:
+            continue
         for c, t in zip(profile.costs[swapping], profile.costs[twin]):
             assert c.forward_seconds >= t.forward_seconds, swapping
             assert c.backward_seconds >= t.backward_seconds, swapping
@@ -514,6 +517,27 @@ def test_floor_by_twin_raises_only_what_noise_put_below():
         (1.0, 2.0), (1.0, 2.0)]
     assert [(c.forward_seconds, c.backward_seconds)
             for c in runs["selective_swap"]["costs"]] == [(0.5, 0.5), (0.5, 0.5)]
+
+
+def test_a_recomputing_strategy_is_floored_at_none_and_its_swapping_twin_at_it():
+    # (tester, session 20) Noise had the profile measure "checkpoint" faster than "none":
+    # an unlimited budget was answered with checkpointed layers, explain() showing
+    # "recompute -23.84 ms". Recompute only adds work: floored at "none", and
+    # "checkpoint_swap" at the floored "checkpoint".
+    from hyper_parallel.core.activation_checkpoint._profile import LayerCost, _floor_by_twin
+
+    def costs(*times):
+        return {"costs": [LayerCost(0, 0, f, b) for f, b in times]}
+
+    runs = {"none": costs((1.0, 2.0)), "checkpoint": costs((0.8, 1.5)),
+            "selective": costs((1.1, 1.9)), "checkpoint_swap": costs((0.9, 1.8))}
+    _floor_by_twin(runs)
+    assert [(c.forward_seconds, c.backward_seconds) for c in runs["checkpoint"]["costs"]] == [
+        (1.0, 2.0)]
+    assert [(c.forward_seconds, c.backward_seconds) for c in runs["selective"]["costs"]] == [
+        (1.1, 2.0)]
+    assert [(c.forward_seconds, c.backward_seconds)
+            for c in runs["checkpoint_swap"]["costs"]] == [(1.0, 2.0)]
 
 
 def _measured_peak(model, step, plan):
