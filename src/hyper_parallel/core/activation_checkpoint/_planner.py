@@ -201,7 +201,8 @@ class ActivationPlan:
         # strategies loaded, and explain() described another plan than the one applied).
         if d["rows"] and [(r.name, r.strategy) for r in d["rows"]] != list(strategies.items()):
             _bad_json("field 'rows' does not match field 'strategies' (one row per layer, in "
-                      "the same order, with the same strategy)")
+                      "the same order, with the same strategy; a plan edited by hand: set "
+                      "'rows' to [] so that explain() does not describe another plan)")
         return cls(**d)
 
 
