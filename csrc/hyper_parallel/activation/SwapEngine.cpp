@@ -403,7 +403,8 @@ std::shared_ptr<SavedHandle> SwapEngine::pack(const std::shared_ptr<SwapGroup>& 
     if (mode == PackMode::kRegisteredOnly) {
       record = group->find(key);
       if (!record) {
-        group->passed.insert(key);  // (a later registration of it comes too late)
+        // (a later registration of it comes too late)
+        group->passed.emplace_back(t.storage().getWeakStorageImpl());
         return nullptr;
       }
     } else {
@@ -433,7 +434,7 @@ bool SwapEngine::register_tensor(const std::shared_ptr<SwapGroup>& group, const 
     count_skipped_locked(group.get(), key, t.storage().nbytes(), SkipReason::kBuffer);
     return false;
   }
-  if (group->passed.count(key) != 0 && !group->holds(key)) {
+  if (!group->holds(key) && group->passed_alive(key)) {
     // An op of this invocation saved it before it was registered: autograd holds that
     // tensor as itself, so the storage could never leave the device (it was reported as
     // in use elsewhere, with no word of why; tester, session 20).

@@ -4,6 +4,13 @@
 
 namespace hyper_parallel::activation {
 
+bool SwapGroup::passed_alive(const c10::StorageImpl* key) const {
+  for (const auto& weak : passed) {
+    if (weak._unsafe_get_target() == key) return !weak.expired();
+  }
+  return false;
+}
+
 std::shared_ptr<StorageRecord> SwapGroup::find(const c10::StorageImpl* key) const {
   auto it = index_.find(key);
   return it == index_.end() ? nullptr : records_[it->second];

@@ -14,6 +14,10 @@
 #include "hyper_parallel/activation/StorageRecord.h"
 #include "hyper_parallel/activation/SwapStats.h"
 
+#include <c10/core/StorageImpl.h>
+#include <c10/util/SmallVector.h>
+#include <c10/util/intrusive_ptr.h>
+
 #include <atomic>
 #include <array>
 #include <cstdint>
@@ -56,8 +60,14 @@ class SwapGroup {
   // Storages never swapped for this invocation (the wrapped module's parameters/buffers).
   PointerSet excluded;
   // Storages a registered-only invocation saw saved unregistered (autograd keeps those
-  // tensors as themselves): a registration of one comes too late (kSavedBeforeRegistration).
-  PointerSet passed;
+  // tensors as themselves): a registration of one comes too late (kSavedBeforeRegistration)
+  // while it lives. Weak references: a saved tensor dropped since (a side branch's graph)
+  // frees its storage, and the StorageImpl's memory, held by the weak reference, is not
+  // taken by a later tensor's (raw pointers had refused a fresh tensor at a dead one's
+  // address; tester, session 20).
+  c10::SmallVector<c10::weak_intrusive_ptr<c10::StorageImpl>, 8> passed;
+  // Whether `key` is one of `passed` and still alive.
+  bool passed_alive(const c10::StorageImpl* key) const;
   // Handles for tensors registered explicitly (swap_tensor_wrapper); they count as
   // hyper_parallel's own references. They do not point back to the group.
   std::vector<std::shared_ptr<SavedHandle>> registrations;

@@ -569,7 +569,7 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
                 f"{type(current).__name__} (not by apply_activation_memory); give "
                 "apply_activation_memory the unwrapped model, or leave that layer out of "
                 "layers=")
-    _refuse_shared_swapped_layers(slots, strategies)
+    _refuse_shared_swapped_layers(slots, strategies, swap_inputs)
     if any(s != "none" for s in strategies) and _is_transformers_model(model):
         _refuse_hf_checkpointing(model)
 
@@ -625,30 +625,36 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     return report
 
 
-def _refuse_shared_swapped_layers(slots, strategies) -> None:
+def _refuse_shared_swapped_layers(slots, strategies, swap_inputs: bool) -> None:
     """One module at two places of the layer list (a shared layer, ALBERT-style) gets a
-    wrapper per place: checkpoint wrappers are independent regions (each its own place in
-    the swap schedule), but a ``swap_wrapper`` is the module's one place in the schedule's
-    chain, so the module cannot run "swap" at one place and be wrapped at another (the
-    second ``swap_wrapper`` was refused as one the user had made; tester, session 20).
+    wrapper per place. A plan that swaps chains every layer in forward order for the
+    prefetch schedule, where each place must be a module of its own: a checkpoint wrapper
+    is (one region per place), but the module itself ("none") and a ``swap_wrapper``
+    ("swap": the module's one place in the schedule) are not (the chain's own errors, or
+    "already has a swap_wrapper", named calls the user never made; testers, session 20).
     Checked before the model is touched.
 
     Raises:
         ValueError: naming the shared layer's places.
     """
+    swapping = any(STRATEGIES[s].swaps for s in strategies) or (
+        swap_inputs and any(STRATEGIES[s].recomputes for s in strategies))
+    if not swapping:
+        return
     places: dict = {}
     for slot, strategy in zip(slots, strategies):
         places.setdefault(id(slot.layer), []).append((slot.name, strategy))
     for found in places.values():
-        if len(found) > 1 and any(st == "swap" for _, st in found):
+        if len(found) > 1 and any(st in ("none", "swap") for _, st in found):
             names = ", ".join(f"{n} ({st})" for n, st in found)
             raise ValueError(
-                f"hyper_parallel: layers {names} are one module (a shared layer), and the "
-                "plan gives it 'swap': a swap_wrapper is the module's one place in the swap "
-                "schedule, which chains the layers in forward order, so it cannot take "
-                "several. Give that module another strategy at every place (e.g. "
-                "'checkpoint', 'selective_swap' or 'checkpoint_swap', whose wrappers are "
-                "one region per place), or give each place its own module.")
+                f"hyper_parallel: layers {names} are one module (a shared layer) in a plan "
+                "that swaps: the swap schedule chains the layers in forward order, each place "
+                "its own module, and this module would take several places as itself "
+                "('none') or as its one swap_wrapper ('swap'). Give it a recomputing "
+                "strategy at every place ('checkpoint', 'selective', 'selective_swap' or "
+                "'checkpoint_swap': one region per place), a plan that does not swap, or "
+                "each place its own module.")
 
 
 def _set_engine(depth: int | None, window: int | None) -> tuple[int | None, int | None]:

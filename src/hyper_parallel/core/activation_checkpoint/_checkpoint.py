@@ -129,11 +129,13 @@ class _ForwardModuleState:
         reassigned, which tensor the recompute starts from (class docstring)."""
         state = _recompute_state.get_recompute_state()
         refs = list(self.refs)
-        # Tensors other buffer slots still hold: a read of one may have gone through them
-        # (one tensor registered in two modules, one of which rebuilds its own): not
-        # through the slot that now holds another (tester, session 20).
-        held = {id(refs[j].get(refs[j + 1])) for j in range(0, len(refs), 4)
-                if refs[j + 3] is False}
+        # Tensors that other buffer slots held before the forward and still hold: a read of
+        # one may have gone through them (one tensor registered in two modules, one of
+        # which rebuilds its own): not through the slot that now holds another (tester,
+        # session 20). A slot that took it in the forward does not count (a history shift,
+        # `self.prev = self.cur; self.cur = f(self.cur)`, reads the old `cur`).
+        held = {id(refs[j + 2]) for j in range(0, len(refs), 4)
+                if refs[j + 3] is False and refs[j].get(refs[j + 1]) is refs[j + 2]}
         for i in moved:
             old, new = refs[i + 2], refs[i].get(refs[i + 1])
             if id(old) in held:

@@ -1572,3 +1572,48 @@ def test_a_plain_helper_region_checks_the_buffer_its_module_holds_now_and_names_
                                                "region reads buffer 'scale' of _AddsBuffer"):
             y.sum().backward()
     assert len(probes) == 1
+
+
+class _HistoryShift(nn.Module):
+    """A history pair: `prev` takes the old `cur`, `cur` is made from it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4).double()
+        self.register_buffer("cur", torch.ones(4, dtype=torch.float64))
+        self.register_buffer("prev", torch.zeros(4, dtype=torch.float64))
+
+    def forward(self, x):
+        self.prev = self.cur
+        self.cur = self.cur * 0.5 + x.detach().abs().mean(0)
+        return self.fc(x) * self.cur + x * self.prev
+
+
+class _MaskLike(nn.Module):
+    """A cache rebuilt once from the old one's metadata only (`ones_like`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4).double()
+        self.register_buffer("mask", torch.zeros(4, dtype=torch.float64))
+        self.built = False
+
+    def forward(self, x):
+        if not self.built:
+            self.built = True
+            self.mask = torch.ones_like(self.mask) * 3
+        return self.fc(x) * self.mask
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("make", [_HistoryShift, _MaskLike], ids=["history_shift", "ones_like"])
+def test_what_a_replaced_buffer_was_read_through_decides_its_recompute(make, mode, cpu_swap):
+    # (tester, session 20) A history shift: the old `cur` is read (to make the new one) and
+    # then held by `prev`, which took it in the forward; it had been counted as read through
+    # `prev` only, and the recompute started from the new `cur`: off by 1.40. A cache made
+    # with `ones_like` of the old one reads its metadata only; counted as a read, the old
+    # one was put back and read by the recompute, which skips the rebuild: off by 9.
+    got = _steps_grads(make, lambda m, t: checkpoint(m, t, **MODES[mode]), (5, 5, 5))
+    want = _steps_grads(make, lambda m, t: m(t), (5, 5, 5))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
