@@ -1011,7 +1011,8 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
             before its backward (two passes, one backward: gradient accumulation with a
             backward per pass is fine).
         RuntimeError: when ``step_fn`` changes a parameter in place (an optimizer step);
-            the model is restored before it is raised, as for any error of ``step_fn``.
+            the model's plan, hooks and ``.grad`` are restored before it is raised, as for
+            any error of ``step_fn``, but that weight update is not undone.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"hyper_parallel: profile_activation_memory expects an nn.Module, got "
