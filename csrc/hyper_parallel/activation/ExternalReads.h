@@ -58,8 +58,7 @@ class ExternalReads {
   // `op`: the operator's identity (its schema's address; the caller adds 1 when grad
   // mode is off, see OpInterceptor.cpp), for following where the recompute goes another
   // way (follow()).
-  // `view`: the op reads no value of its arguments (it returns a view of its first one, or
-  // reads only their metadata: `zeros_like`; OpFacts::reads_metadata_only).
+  // `view`: the op returns a view of its first argument (it reads no value).
   void forward_inputs(int64_t op_key, const void* op, c10::ArrayRef<c10::IValue> args,
                       const std::vector<int>& writes, const std::vector<int>& declared,
                       bool view = false);

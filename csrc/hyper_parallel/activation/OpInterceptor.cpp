@@ -57,11 +57,6 @@ void add_schema_facts(const c10::FunctionSchema& schema, OpFacts& f) {
     const auto* in = args[0].alias_info();
     f.view_of_first = out != nullptr && !out->isWrite() && in != nullptr && !in->isWrite();
   }
-  static const std::unordered_set<std::string> metadata_only = {
-      "aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like",
-      "aten::rand_like", "aten::randn_like", "aten::randint_like", "aten::new_empty",
-      "aten::new_zeros", "aten::new_ones", "aten::new_full", "aten::new_empty_strided"};
-  f.reads_metadata_only = metadata_only.count(schema.name()) != 0;
 }
 
 // Shared: a forget_ops() during the op (from a Python callback) must not free them.
@@ -332,8 +327,7 @@ void SacRegion::forward(const c10::OperatorHandle& op, const OpFacts& facts,
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
   external_.forward_inputs(facts.key, access_id(schema), torch::jit::last(*stack, nargs),
-                           facts.writes, facts.declared_writes,
-                           facts.view_of_first || facts.reads_metadata_only);
+                           facts.writes, facts.declared_writes, facts.view_of_first);
   if (facts.kind == OpKind::kCollective && collective_) {
     ++python_calls_;
     collective_(op, stack, false);

@@ -70,10 +70,6 @@ struct OpFacts {
                                      // (Tensor(a!): autograd bumps their versions; not the
                                      // batch norms' running statistics)
   bool view_of_first = false;        // returns a view or alias of its first argument
-  // Reads only its tensor arguments' metadata (shape, dtype, device): `zeros_like`,
-  // `new_empty`, ... (ExternalReads counts no read of their values; _selective.py's
-  // _METADATA_ONLY lists the same ops).
-  bool reads_metadata_only = false;
 };
 
 // Computes the facts of an op, once per operator. The Python layer installs the rules of

@@ -4,9 +4,9 @@
 
 namespace hyper_parallel::activation {
 
-bool SwapGroup::passed_alive(const c10::StorageImpl* key) const {
+bool SwapGroup::saw_passed(const c10::StorageImpl* key) const {
   for (const auto& weak : passed) {
-    if (weak._unsafe_get_target() == key) return !weak.expired();
+    if (weak._unsafe_get_target() == key) return true;
   }
   return false;
 }

@@ -60,14 +60,13 @@ class SwapGroup {
   // Storages never swapped for this invocation (the wrapped module's parameters/buffers).
   PointerSet excluded;
   // Storages a registered-only invocation saw saved unregistered (autograd keeps those
-  // tensors as themselves): a registration of one comes too late (kSavedBeforeRegistration)
-  // while it lives. Weak references: a saved tensor dropped since (a side branch's graph)
-  // frees its storage, and the StorageImpl's memory, held by the weak reference, is not
-  // taken by a later tensor's (raw pointers had refused a fresh tensor at a dead one's
-  // address; tester, session 20).
+  // tensors as themselves): one registered later that is still held at the backward is
+  // skipped as kSavedBeforeRegistration, not kInUseElsewhere. Weak references, so that no
+  // later storage takes a listed one's address (raw pointers had named a fresh tensor
+  // after a dead one; tester C, session 20).
   c10::SmallVector<c10::weak_intrusive_ptr<c10::StorageImpl>, 8> passed;
-  // Whether `key` is one of `passed` and still alive.
-  bool passed_alive(const c10::StorageImpl* key) const;
+  // Whether `key` is one of `passed`.
+  bool saw_passed(const c10::StorageImpl* key) const;
   // Handles for tensors registered explicitly (swap_tensor_wrapper); they count as
   // hyper_parallel's own references. They do not point back to the group.
   std::vector<std::shared_ptr<SavedHandle>> registrations;

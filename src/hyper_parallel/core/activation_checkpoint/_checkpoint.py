@@ -101,12 +101,13 @@ class _ForwardModuleState:
     another shape for a cache rebuilt for a new size (the new one is kept); a plain region
     is then probed again at its next call."""
 
-    __slots__ = ("fn", "module", "refs")
+    __slots__ = ("fn", "module", "refs", "moved")
 
     def __init__(self, fn, module) -> None:
         self.fn = fn
         self.module = module
         self.refs = None
+        self.moved = False  # the forward replaced a buffer
 
     def __call__(self, *args):
         if self.refs is None:
@@ -114,9 +115,17 @@ class _ForwardModuleState:
             out = self.fn(*args)
             moved = _C.reassigned_buffers(refs)
             if moved:
+                self.moved = True
                 self._settle(moved)
             return out
-        undo = _C.put_module_state(self.refs)
+        # A forward that replaced buffers: the recompute replaces them again, and what it
+        # leaves is undone whatever the slots held when it began (two forwards swapping
+        # `self.a, self.b = self.b, self.a` before one backward left the first call's
+        # recompute nothing to put back, and its swap stayed: tester, session 20).
+        undo = _C.module_state_refs(self.module) if self.moved else None
+        put = _C.put_module_state(self.refs)
+        if undo is None:
+            undo = put
         if not undo:
             return self.fn(*args)
         try:
@@ -129,19 +138,9 @@ class _ForwardModuleState:
         reassigned, which tensor the recompute starts from (class docstring)."""
         state = _recompute_state.get_recompute_state()
         refs = list(self.refs)
-        # Tensors that other buffer slots held before the forward and still hold: a read of
-        # one may have gone through them (one tensor registered in two modules, one of
-        # which rebuilds its own): not through the slot that now holds another (tester,
-        # session 20). A slot that took it in the forward does not count (a history shift,
-        # `self.prev = self.cur; self.cur = f(self.cur)`, reads the old `cur`).
-        held = {id(refs[j + 2]) for j in range(0, len(refs), 4)
-                if refs[j + 3] is False and refs[j].get(refs[j + 1]) is refs[j + 2]}
         for i in moved:
             old, new = refs[i + 2], refs[i].get(refs[i + 1])
-            if id(old) in held:
-                read = False
-            else:
-                read = None if state is None else _recompute_state.read_in_forward(state, old)
+            read = None if state is None else _recompute_state.read_in_forward(state, old)
             if read is None:
                 # Not watched: a tensor of the old one's shape is taken for an update of its
                 # value made from it (a counter, an EMA switched on after the probe), one of

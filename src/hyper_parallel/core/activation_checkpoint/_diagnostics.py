@@ -76,19 +76,6 @@ def after_forward(group, name: str) -> None:
     skipped = group.skipped
     if not skipped:
         return
-    if "saved_before_registration" in skipped:
-        n, nbytes = skipped["saved_before_registration"]
-        _warn_once(
-            "saved_before_registration",
-            f"hyper_parallel: layer '{name}' registered {n} tensor storage{'s' * (n != 1)} "
-            f"({_mib(nbytes)}) with swap_tensor_wrapper after an op of the layer had already "
-            f"saved {'them' if n != 1 else 'it'} for backward: autograd keeps such a tensor as "
-            "itself, so it cannot be offloaded. Call swap_tensor_wrapper right where the tensor "
-            "is made, before the ops that use it; an op that saves its own output (tanh, "
-            "sigmoid, exp, softmax) saves it before any registration: swap that layer with "
-            "swap_wrapper or a MUST_SWAP policy instead.")
-        if len(skipped) == 1:
-            return  # (said: "nothing swappable" would repeat it)
     if "host_tensor" in skipped and not _C.cpu_swap():
         n, nbytes = skipped["host_tensor"]
         _warn_once(

@@ -95,18 +95,11 @@ class SelectiveCheckpointContext(torch.utils.checkpoint.SelectiveCheckpointConte
 # recompute with nothing recorded (no cache entry, no external-tensor bookkeeping).
 _PLAIN, _IGNORED, _COLLECTIVE, _PASSTHROUGH = 0, 1, 2, 3
 _TO_COPY = torch.ops.aten._to_copy.default
-# Ops that read only their tensor arguments' metadata (shape, dtype, device), not their
-# values: ExternalTensors counts no read (a cache rebuilt as `torch.ones_like(self.mask)`
-# does not read the old mask; tester, session 20). The C++ OpFacts::reads_metadata_only
-# lists the same ops.
-_METADATA_ONLY = frozenset(f"aten.{n}" for n in (
-    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
-    "randint_like", "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided"))
 
 
 class _OpInfo:
     __slots__ = ("key", "name", "kind", "writes", "seeded", "view", "declared",
-                 "replay_writes", "nograd_name", "no_value")
+                 "replay_writes", "nograd_name")
 
     def __init__(self, key: int, name: str, kind: int, writes: tuple,
                  seeded: bool = False, view: bool = False, declared: bool = True) -> None:
@@ -125,8 +118,6 @@ class _OpInfo:
         # the writes a recompute bumps the private copies' versions for: declared ones of
         # an op that runs (a collective's result is handed back, it does not run)
         self.replay_writes = writes if declared and kind != _COLLECTIVE else ()
-        # reads no value of its arguments: a view op, or one of _METADATA_ONLY
-        self.no_value = view or name.rsplit(".", 1)[0] in _METADATA_ONLY
 
 
 _OP_INFO: dict = {}
@@ -461,7 +452,7 @@ class _CachingMode(TorchDispatchMode):
                 st.cache.watch(out)
             return out
         st.external.forward_inputs(_access_name(info), args, kwargs, info.writes,
-                                   info.declared, info.no_value)
+                                   info.declared, info.view)
         rng = None
         if info.seeded and info.kind == _PLAIN and st.cache is not None and (
                 st.policy_fn is not None or not _is_recompute(st.table.policy_for(info.key))):

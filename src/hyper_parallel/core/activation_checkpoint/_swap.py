@@ -174,11 +174,11 @@ def swap_tensor_wrapper(target, tag=None, group_swap=False, cpu_pool=None):
     registered with ``SwapManager().set_forward_prefetch_layer``), right where the tensor is
     made, before the ops that use it. The storages of the registered tensors are offloaded
     with the group and prefetched before its backward; other saved tensors of a plain
-    registered module stay on device. A tensor an op of the layer already saved (autograd
-    keeps it as itself) cannot be offloaded: its registration is skipped
-    (``stats()["skipped"]["saved_before_registration"]``) with a warning; that includes an
-    op's output that the op itself saves (``tanh``, ``sigmoid``, ``exp``, ``softmax``),
-    which ``swap_wrapper`` or a ``MUST_SWAP`` policy offloads.
+    registered module stay on device. A tensor an op of the layer had already saved when
+    it was registered (autograd keeps it as itself) stays on the device while that saved
+    tensor lives, counted in ``stats()["skipped"]["saved_before_registration"]``; that
+    includes an op's output that the op itself saves (``tanh``, ``sigmoid``, ``exp``,
+    ``softmax``), which ``swap_wrapper`` or a ``MUST_SWAP`` policy offloads.
 
     Args:
         target: a tensor or a nested container (tuple, list, dict) of tensors

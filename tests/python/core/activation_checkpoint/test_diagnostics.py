@@ -128,7 +128,8 @@ def test_a_storage_held_in_python_stays_on_device(cpu_swap, dev):
 
 
 class _Registers(nn.Module):
-    """Registers `u` with swap_tensor_wrapper before or after `sin`, which saves it."""
+    """Registers `u` with swap_tensor_wrapper before or after `sin`, which saves it, after a
+    dropped side branch."""
 
     def __init__(self, late: bool):
         super().__init__()
@@ -149,14 +150,12 @@ class _Registers(nn.Module):
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["before_the_save", "after_the_save"])
-def test_a_registration_after_the_save_is_counted_and_explained(late, cpu_swap, dev):
-    # (tester, session 20) Registered after the op that saves it, a tensor was not offloaded
-    # (autograd keeps it as itself), counted as "in use elsewhere", with no word of why.
-    # Registered before, it is offloaded, also where a dropped side branch's saved tensor
-    # had a storage at the same address (the first version kept raw pointers: a false skip).
-    from hyper_parallel.core.activation_checkpoint import _diagnostics
-
-    _diagnostics._warned.discard("saved_before_registration")
+def test_a_registration_after_the_save_is_counted_as_such(late, cpu_swap, dev):
+    # (testers, session 20) Registered after the op that saves it, a tensor cannot be
+    # offloaded (autograd keeps it as itself): it was counted as "in use elsewhere", with no
+    # word of why; now as "saved_before_registration". Registered before, it is offloaded,
+    # also after a dropped side branch (a first version refused a fresh tensor at the
+    # address of a storage it had seen saved).
     torch.manual_seed(0)
     model = nn.Sequential(*[_Registers(late) for _ in range(3)]).to(dev)
     reference = twin(model)
@@ -165,21 +164,18 @@ def test_a_registration_after_the_save_is_counted_and_explained(late, cpu_swap, 
     for a, b in zip(model, model[1:]):
         SwapManager().set_forward_prefetch_layer(a, b)
     SwapManager().reset_stats()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model(x).sum().backward()
+    model(x).sum().backward()
     SwapManager().synchronize()
     assert_bitwise(grads(model), grads(reference))
     stats = SwapManager().stats()
-    count, nbytes = skipped("saved_before_registration")
-    said = [str(w.message) for w in caught if "after an op of the layer" in str(w.message)]
-    if late:
+    nbytes = 16 * 64 * 4
+    if late:  # (the last layer keeps its own: last_layer)
         assert stats["offload_bytes"] == 0
-        assert count == 3 and nbytes == 3 * 16 * 64 * 4  # (each layer registered too late)
+        assert skipped("saved_before_registration") == (2, 2 * nbytes)
         assert skipped("in_use_elsewhere") == (0, 0)
-        assert len(said) == 1 and "before the ops that use it" in said[0]
     else:
-        assert stats["offload_bytes"] == 2 * 16 * 64 * 4 and count == 0 and not said
+        assert stats["offload_bytes"] == 2 * nbytes
+        assert skipped("saved_before_registration") == (0, 0)
 
 
 def test_cycle_in_the_chain_is_refused():

@@ -1494,46 +1494,6 @@ def test_a_buffer_replaced_from_its_old_value_is_updated_once_on_every_path(make
         assert torch.equal(a, b)
 
 
-class _SharedCache(nn.Module):
-    """One tensor registered in two submodules; `a` rebuilds its own behind a flag, the
-    parent reads the old one through `b`."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = _CacheOnce()
-        self.b = nn.Module()
-        self.b.register_buffer("cache", self.a.cache)
-
-    def forward(self, x):
-        return self.a(x * self.b.cache)
-
-
-@pytest.mark.parametrize("mode", [*MODES, "reentrant"])
-def test_a_buffer_rebuilt_in_one_slot_and_read_through_another_keeps_both(mode, cpu_swap):
-    # (tester, session 20; older) The old tensor was read, through `b`, so it was put back
-    # in `a`'s slot as well, and `a`, finding its flag set, read it: off by 17.9.
-    options = {"use_reentrant": True} if mode == "reentrant" else MODES[mode]
-
-    def grads(call):
-        torch.manual_seed(0)
-        module = _SharedCache()
-        out = []
-        for step in range(3):
-            torch.manual_seed(10 + step)
-            x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
-            call(module, x).pow(2).sum().backward()
-            out += [x.grad, module.a.fc.weight.grad.clone()]
-            module.zero_grad()
-        return out
-
-    for a, b in zip(grads(lambda m, t: checkpoint(m, t, **options)), grads(lambda m, t: m(t))):
-        assert torch.equal(a, b)
-
-
-def _run_layer(layer, x):
-    return layer(x)
-
-
 class _AddsBuffer(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1589,31 +1549,82 @@ class _HistoryShift(nn.Module):
         return self.fc(x) * self.cur + x * self.prev
 
 
-class _MaskLike(nn.Module):
-    """A cache rebuilt once from the old one's metadata only (`ones_like`)."""
+class _SharedCounter(nn.Module):
+    """One tensor registered in two submodules; `c1` reads it and replaces it by one made
+    from it (a counter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = _CounterEveryCall()
+        self.c2 = nn.Module()
+        self.c2.register_buffer("count", self.c1.count)
+
+    def forward(self, x):
+        return self.c1(x) + x * self.c2.count
+
+
+class _GrowsFromShape(nn.Module):
+    """Replaces its buffer in every call by one a size larger, made from the old one's
+    shape alone (`new_ones`)."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 4).double()
-        self.register_buffer("mask", torch.zeros(4, dtype=torch.float64))
-        self.built = False
+        self.register_buffer("n", torch.ones(2, dtype=torch.float64))
 
     def forward(self, x):
-        if not self.built:
-            self.built = True
-            self.mask = torch.ones_like(self.mask) * 3
-        return self.fc(x) * self.mask
+        self.n = self.n.new_ones(self.n.shape[0] + 1)
+        return self.fc(x) * self.n.sum()
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("make", [_HistoryShift, _MaskLike], ids=["history_shift", "ones_like"])
+@pytest.mark.parametrize("make", [_HistoryShift, _SharedCounter, _GrowsFromShape],
+                         ids=["history_shift", "shared_counter", "grows_from_shape"])
 def test_what_a_replaced_buffer_was_read_through_decides_its_recompute(make, mode, cpu_swap):
-    # (tester, session 20) A history shift: the old `cur` is read (to make the new one) and
-    # then held by `prev`, which took it in the forward; it had been counted as read through
-    # `prev` only, and the recompute started from the new `cur`: off by 1.40. A cache made
-    # with `ones_like` of the old one reads its metadata only; counted as a read, the old
-    # one was put back and read by the recompute, which skips the rebuild: off by 9.
+    # (testers C and D, session 20) Versions of the rule that asked *where* or *how* the
+    # old tensor was read gave wrong gradients: a history shift (the old `cur` then held by
+    # `prev`, which took it in the forward) was off by 1.40, a counter on a tensor
+    # registered in two modules by 1.0; with ops that read only metadata not counted as
+    # reads, a buffer grown from its old shape (`new_ones(n + 1)`) was grown twice. Any read
+    # of the old tensor, through any slot or op, now puts it back.
     got = _steps_grads(make, lambda m, t: checkpoint(m, t, **MODES[mode]), (5, 5, 5))
     want = _steps_grads(make, lambda m, t: m(t), (5, 5, 5))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_two_forwards_swapping_buffers_before_one_backward_leave_them_as_plain_autograd(
+        cpu_swap):
+    # (tester D, session 20) `self.a, self.b = self.b, self.a` in two calls before one
+    # backward: at the first call's recompute the slots held the tensors from before its
+    # forward again, so nothing was put back and nothing undone: the recompute's swap
+    # stayed, buffers were left swapped and the next step's gradients were wrong.
+    def run(call):
+        torch.manual_seed(0)
+        module = _PingPong()
+        out = []
+        for step in range(3):
+            torch.manual_seed(10 + step)
+            x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+            (call(module, x).pow(2).sum() + call(module, 2 * x).pow(2).sum()).backward()
+            out += [x.grad, module.fc.weight.grad.clone(), module.a.clone(), module.b.clone()]
+            module.zero_grad()
+        return out
+
+    for options in MODES.values():
+        for a, b in zip(run(lambda m, t: checkpoint(m, t, **options)), run(lambda m, t: m(t))):
+            assert torch.equal(a, b)
+
+
+class _PingPong(nn.Module):
+    """Swaps two buffers in every call and reads both."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4).double()
+        self.register_buffer("a", torch.ones(4, dtype=torch.float64))
+        self.register_buffer("b", torch.full((4,), 3.0, dtype=torch.float64))
+
+    def forward(self, x):
+        self.a, self.b = self.b, self.a
+        return (self.fc(x) * self.a).sin() + x * self.b
