@@ -2,16 +2,15 @@
 
 #include "hyper_parallel/activation/OpPolicyTable.h"
 #include "hyper_parallel/activation/SwapEngine.h"
-#include <c10/core/GradMode.h>
 #include "hyper_parallel/common/Macros.h"
 
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
 #include <mutex>
 #include <shared_mutex>
-#include <string>
 #include <unordered_map>
 #include <unordered_set>
 

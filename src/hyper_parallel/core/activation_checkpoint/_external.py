@@ -185,11 +185,13 @@ class ExternalTensors:
             key = id(t)
             read = not view and key not in written
             rec = reads.get(key)
-            if rec is not None and rec.ref() is None:
-                rec = None  # (a dead record's id, reused: its storage index keeps it)
             if rec is not None:
-                if rec.ref() is not t:
+                held = rec.ref()
+                if held is None:
+                    rec = None  # (a dead record's id, reused: its storage index keeps it)
+                elif held is not t:
                     continue
+            if rec is not None:
                 if t.data_ptr() != rec.ptr:
                     self._moved(rec, t)
                 ops = rec.ops
