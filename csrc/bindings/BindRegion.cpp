@@ -291,6 +291,7 @@ int region_exit(RegionToken& token, bool ok, const py::object& outputs) {
     attach_backward(token.group(), outputs);
     flags |= kExitAttached;
   }
+  warn_pool_refusal();
   return flags;
 }
 

@@ -574,6 +574,14 @@ std::shared_ptr<SwapGroup> group_by_name(const std::string& name) {
 
 }  // namespace
 
+void warn_pool_refusal() {
+  if (!SwapEngine::global().pool_warning_pending()) return;
+  const std::string msg = SwapEngine::global().take_pool_warning();
+  if (!msg.empty() && PyErr_WarnEx(PyExc_UserWarning, msg.c_str(), 1) < 0) {
+    throw py::error_already_set();
+  }
+}
+
 void bind_swap(py::module_& m) {
   m.def("module_state_refs", &module_state_refs, py::arg("module"),
         "The (dict, key, value) triples of every _parameters / _buffers entry of the module's "
@@ -643,11 +651,12 @@ void bind_swap(py::module_& m) {
 
   py::class_<HostBufferPool, std::shared_ptr<HostBufferPool>>(m, "HostPool",
       "A host buffer pool of its own, capped at max_host_bytes (PinnedMemoryPool).")
-      .def(py::init([](int64_t max_host_bytes) {
+      .def(py::init([](int64_t max_host_bytes, bool keep_when_full) {
              return HostBufferPool::create(/*pinned=*/false, /*max_cached_bytes=*/max_host_bytes,
-                                           max_host_bytes);
-           }), py::arg("max_host_bytes"))
+                                           max_host_bytes, keep_when_full);
+           }), py::arg("max_host_bytes"), py::arg("keep_when_full") = false)
       .def_property_readonly("max_host_bytes", &HostBufferPool::max_host_bytes)
+      .def_property_readonly("keep_when_full", &HostBufferPool::keep_when_full)
       .def_property_readonly("pinned", &HostBufferPool::pinned)
       .def("stats", [](HostBufferPool& pool) {
         const HostBufferPoolStats st = pool.stats();
@@ -658,6 +667,7 @@ void bind_swap(py::module_& m) {
         d["allocations"] = st.allocations;
         d["reuses"] = st.reuses;
         d["cap_waits"] = st.cap_waits;
+        d["refusals"] = st.refusals;
         return d;
       })
       .def("empty_cache", &HostBufferPool::empty_cache)
@@ -757,7 +767,11 @@ void bind_swap(py::module_& m) {
   m.def("begin_forward", [](int64_t layer, const std::string& name, bool manual, bool group_swap) {
     return engine().begin_forward(layer, name, manual, group_swap);
   }, py::arg("layer"), py::arg("name"), py::arg("manual") = false, py::arg("group_swap") = false);
-  m.def("end_forward", [](const std::shared_ptr<SwapGroup>& g) { return engine().end_forward(g); });
+  m.def("end_forward", [](const std::shared_ptr<SwapGroup>& g) {
+    const bool unscheduled = engine().end_forward(g);
+    warn_pool_refusal();
+    return unscheduled;
+  });
   m.def("abort_forward", [](const std::shared_ptr<SwapGroup>& g) { engine().abort_forward(g); });
   m.def("backward_begin", [](const std::shared_ptr<SwapGroup>& g) { engine().backward_begin(g); },
         py::call_guard<py::gil_scoped_release>());
@@ -777,6 +791,7 @@ void bind_swap(py::module_& m) {
   }, py::arg("tensor"));
   m.def("launch_offload", [](const std::string& n) {
     if (auto g = group_by_name(n)) engine().launch_offload(g);
+    warn_pool_refusal();
   });
   m.def("wait_offload", [](const std::string& n) {
     auto g = group_by_name(n);

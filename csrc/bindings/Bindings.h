@@ -62,6 +62,12 @@ void exclude_tensors(activation::SwapGroup& group, const pybind11::handle& tenso
 // generator walk: ~1 us for a transformer block instead of ~38 us). Needs the GIL.
 void exclude_module_state(activation::SwapGroup& group, const pybind11::handle& module);
 
+// After a release point (region exit, end_forward, launch_offload): the engine's one-time
+// warning of a PinnedMemoryPool(when_full="keep") that had no room (an atomic load when
+// there is none), as a Python UserWarning; throws py::error_already_set when warnings are
+// errors. Needs the GIL. Defined in BindSwap.cpp.
+void warn_pool_refusal();
+
 // BindRegion.cpp: `fn(*args, **kwargs)` in a SWAP_ALL region (region entry, the call, the
 // exit with the outputs) in one call; `on_flags(token, flags, out, layer, name)` runs after
 // the exit when its flags need Python or `python_hooks`. Needs the GIL.

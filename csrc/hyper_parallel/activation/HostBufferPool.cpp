@@ -12,11 +12,12 @@ HostBlock::HostBlock(std::shared_ptr<HostBufferPool> pool, at::Tensor buffer, si
 HostBlock::~HostBlock() { pool_->give_back(std::move(buffer_), size_class_, std::move(last_use_)); }
 
 std::shared_ptr<HostBufferPool> HostBufferPool::create(bool pinned, int64_t max_cached_bytes,
-                                                       int64_t max_host_bytes) {
+                                                       int64_t max_host_bytes,
+                                                       bool keep_when_full) {
   HP_CHECK_VALUE(max_host_bytes >= 0, "a host pool cap must be >= 0 bytes (0: no cap), got ",
                  max_host_bytes);
   return std::shared_ptr<HostBufferPool>(
-      new HostBufferPool(pinned, max_cached_bytes, max_host_bytes));
+      new HostBufferPool(pinned, max_cached_bytes, max_host_bytes, keep_when_full));
 }
 
 size_t HostBufferPool::size_class(size_t nbytes) {
@@ -31,6 +32,14 @@ size_t HostBufferPool::size_class(size_t nbytes) {
 }
 
 std::unique_ptr<HostBlock> HostBufferPool::acquire(size_t nbytes) {
+  return acquire_or_null(nbytes, false);
+}
+
+std::unique_ptr<HostBlock> HostBufferPool::try_acquire(size_t nbytes) {
+  return acquire_or_null(nbytes, true);
+}
+
+std::unique_ptr<HostBlock> HostBufferPool::acquire_or_null(size_t nbytes, bool or_null) {
   const size_t cls = size_class(nbytes);
   const auto bytes = static_cast<int64_t>(cls);
   at::Tensor buffer;
@@ -60,6 +69,10 @@ std::unique_ptr<HostBlock> HostBufferPool::acquire(size_t nbytes) {
           free_.erase(last);
         }
         if (held() + bytes > max_host_bytes_) {
+          if (pending_.empty() && or_null) {
+            stats_.refusals += 1;
+            return nullptr;
+          }
           HP_CHECK(!pending_.empty(), "host pool full: a block of ", bytes,
                    " bytes does not fit under the pool's cap of ", max_host_bytes_,
                    " bytes (max_host_bytes), because ", stats_.bytes_in_use,

@@ -18,6 +18,9 @@
 // blocks, then waits for pending blocks (their last copy) and reuses or drops them; when
 // the blocks in use alone leave no room, it throws c10::Error naming the cap. A pool per
 // purpose (PinnedMemoryPool in Python) bounds the host memory of the activations it holds.
+// A pool made with `keep_when_full` tells the engine to keep such a batch on the device
+// instead (try_acquire() returns null where acquire() throws; docs/design.md, "Host
+// memory"): the cap still holds, the device keeps the bytes that did not fit.
 //
 // Thread-safety: all methods are thread-safe (one internal mutex, never held while
 // calling out, except the allocator).
@@ -42,6 +45,7 @@ struct HostBufferPoolStats {
   int64_t allocations = 0;     // blocks ever allocated from the system
   int64_t reuses = 0;          // acquire() satisfied from the free list
   int64_t cap_waits = 0;       // acquire() waited for pending blocks to fit under the cap
+  int64_t refusals = 0;        // try_acquire() found no room under the cap (returned null)
 };
 
 class HostBufferPool;
@@ -71,15 +75,21 @@ class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
  public:
   // `pinned`: allocate page-locked memory (requires an accelerator backend in torch).
   // `max_host_bytes`: cap on the bytes held from the system (0: no cap).
+  // `keep_when_full`: what the engine does with an offload that does not fit under the
+  // cap (false: raise, through acquire(); true: keep it on the device, try_acquire()).
   static std::shared_ptr<HostBufferPool> create(bool pinned,
                                                 int64_t max_cached_bytes = int64_t{8} << 30,
-                                                int64_t max_host_bytes = 0);
+                                                int64_t max_host_bytes = 0,
+                                                bool keep_when_full = false);
 
   // Returns a block of at least `nbytes` (> 0) bytes. Throws c10::Error when the system
   // allocation fails, or when the block cannot fit under the cap even after every pending
   // block was waited for (the blocks in use are held by offloaded activations). May block
   // the calling thread on copy events (never while holding the pool lock).
   std::unique_ptr<HostBlock> acquire(size_t nbytes);
+  // acquire(), but null (counted in stats().refusals) where acquire() would throw for the
+  // cap; a failed system allocation still throws.
+  std::unique_ptr<HostBlock> try_acquire(size_t nbytes);
 
   // Size class for a request of `nbytes`.
   static size_t size_class(size_t nbytes);
@@ -89,6 +99,15 @@ class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
   void empty_cache();
   bool pinned() const { return pinned_; }
   int64_t max_host_bytes() const { return max_host_bytes_; }
+  bool keep_when_full() const { return keep_when_full_; }
+  // True the first time it is called after a refusal of try_acquire(), false after (the
+  // engine's one warning per pool).
+  bool take_first_refusal() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stats_.refusals == 0 || warned_) return false;
+    warned_ = true;
+    return true;
+  }
   void set_pinned(bool pinned);
   // fork(): the engine's prepare handler takes the pool lock so that the child inherits it
   // unlocked and consistent (SwapEngine, "fork"); both sides release it after the fork.
@@ -97,8 +116,11 @@ class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
 
  private:
   friend class HostBlock;
-  HostBufferPool(bool pinned, int64_t max_cached_bytes, int64_t max_host_bytes)
-      : pinned_(pinned), max_cached_bytes_(max_cached_bytes), max_host_bytes_(max_host_bytes) {}
+  HostBufferPool(bool pinned, int64_t max_cached_bytes, int64_t max_host_bytes,
+                 bool keep_when_full)
+      : pinned_(pinned), max_cached_bytes_(max_cached_bytes), max_host_bytes_(max_host_bytes),
+        keep_when_full_(keep_when_full) {}
+  std::unique_ptr<HostBlock> acquire_or_null(size_t nbytes, bool or_null);
   void give_back(at::Tensor buffer, size_t size_class, CopyEventPtr last_use);
   void promote_completed_locked();
   void trim_locked();
@@ -112,6 +134,8 @@ class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
   bool pinned_;
   int64_t max_cached_bytes_;
   int64_t max_host_bytes_;
+  const bool keep_when_full_;
+  bool warned_ = false;
   std::multimap<size_t, at::Tensor> free_;
   std::vector<Pending> pending_;
   HostBufferPoolStats stats_;

@@ -79,6 +79,10 @@ class StorageRecord {
   // True once the record was offloaded, or counted as kept on device at a backward start
   // (SwapStats skipped: kInUseElsewhere, kLastLayer): it is counted at most once.
   bool settled = false;
+  // True once a release found no room for it under its PinnedMemoryPool's cap, the pool
+  // made to keep such batches on the device (HostBufferPool::keep_when_full): counted as
+  // SkipReason::kHostPoolFull when its backward begins, unless a later release moved it.
+  bool pool_refused = false;
 
   // Copy state (meaningful outside kDevice).
   std::shared_ptr<HostBlock> host;   // shared by the records of one fused bucket

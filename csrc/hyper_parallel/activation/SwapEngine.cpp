@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <sstream>
 #include <tuple>
 #include <unordered_set>
 
@@ -461,6 +462,25 @@ void SwapEngine::count_skipped_locked(SwapGroup* group, const void* key,
   counters_->add_skipped(reason, static_cast<int64_t>(nbytes));
 }
 
+std::string SwapEngine::take_pool_warning() {
+  std::shared_ptr<HostBufferPool> pool;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pool_warning_pending_.store(false, std::memory_order_relaxed);
+    pool = refused_pool_.lock();
+    refused_pool_.reset();
+  }
+  if (!pool || !pool->take_first_refusal()) return {};
+  std::ostringstream msg;
+  msg << "hyper_parallel: a PinnedMemoryPool(max_host_bytes=" << pool->max_host_bytes()
+      << ", when_full='keep') had no room under its cap for an offload: the activations "
+         "that did not fit stay on the device (SwapManager().stats()['skipped']"
+         "['host_pool_full'] counts them at their backward, the pool's stats()['refusals'] "
+         "counts the refusals). Raise max_host_bytes, or swap fewer layers into this pool, "
+         "to offload them. This is said once per pool.";
+  return msg.str();
+}
+
 void SwapEngine::count_kept_locked(const SwapGroup& group) {
   if (group.manual()) return;  // released only by the user's launch_offload
   const bool last_layer = !group.released && !schedule_.releases_at_forward_end(group);
@@ -476,6 +496,7 @@ void SwapEngine::count_kept_locked(const SwapGroup& group) {
     // here, at the backward, not at the registration: a save whose graph was dropped since
     // (a logged `u.norm().item()`) holds nothing (tester D).
     counters_->add_skipped(last_layer       ? SkipReason::kLastLayer
+                           : r->pool_refused ? SkipReason::kHostPoolFull
                            : link_saturated ? SkipReason::kLinkSaturated
                            : group.saw_passed(r->key()) ? SkipReason::kSavedBeforeRegistration
                                                         : SkipReason::kInUseElsewhere,
@@ -700,22 +721,65 @@ void SwapEngine::offload_batch_locked(const std::vector<std::shared_ptr<StorageR
   if (records.front()->host_pool && pool.pinned() != engine.wants_pinned_host()) {
     pool.set_pinned(engine.wants_pinned_host());  // a user pool takes its first device's kind
   }
+  // Every block is acquired before any storage is freed: a pool that raises leaves the
+  // batch intact on the device. A pool that keeps what does not fit (keep_when_full) lends
+  // blocks to those that fit, in order (a fused bucket it has no room for is tried
+  // storage by storage); the others stay (counted at their backward).
+  const bool keep = pool.keep_when_full();
+  auto take = [&](size_t nbytes) {
+    return keep ? pool.try_acquire(nbytes) : pool.acquire(nbytes);
+  };
+  std::vector<std::shared_ptr<StorageRecord>> kept_records;
+  std::vector<c10::Storage> kept_storages;
+  const std::vector<std::shared_ptr<StorageRecord>>* batch = &records;
+  const std::vector<c10::Storage>* batch_storages = &storages;
+  std::vector<std::shared_ptr<HostBlock>> blocks;
   size_t total = 0;
   for (const auto& r : records) total += r->nbytes();
-  std::vector<std::shared_ptr<HostBlock>> blocks;
+  if (fused) {
+    std::unique_ptr<HostBlock> block = take(total);
+    if (!block) {  // no room for the bucket: those of its storages that fit go one by one
+      offload_batch_locked(records, storages, false);
+      return;
+    }
+    blocks.push_back(std::move(block));
+  } else {
+    for (size_t i = 0; i < records.size(); ++i) {
+      std::unique_ptr<HostBlock> block = take(records[i]->nbytes());
+      if (!block) {
+        records[i]->pool_refused = true;
+        refused_pool_ = pool.shared_from_this();
+        pool_warning_pending_.store(true, std::memory_order_relaxed);
+        continue;
+      }
+      blocks.push_back(std::move(block));
+      kept_records.push_back(records[i]);
+      kept_storages.push_back(storages[i]);
+    }
+    if (kept_records.size() != records.size()) {
+      if (kept_records.empty()) return;
+      batch = &kept_records;
+      batch_storages = &kept_storages;
+      total = 0;
+      for (const auto& r : kept_records) total += r->nbytes();
+    }
+  }
+  offload_blocks_locked(*batch, *batch_storages, fused, device, engine, std::move(blocks),
+                        total);
+}
+
+void SwapEngine::offload_blocks_locked(const std::vector<std::shared_ptr<StorageRecord>>& records,
+                                       const std::vector<c10::Storage>& storages, bool fused,
+                                       c10::Device device, CopyEngine& engine,
+                                       std::vector<std::shared_ptr<HostBlock>> blocks,
+                                       size_t total) {
   CopyPlan plan;
   plan.fused = fused;
-  if (fused) {
-    blocks.push_back(pool.acquire(total));
-    plan.host = blocks.back()->buffer();
-  }
+  if (fused) plan.host = blocks.front()->buffer();
   size_t offset = 0;
   for (size_t i = 0; i < records.size(); ++i) {
     CopyItem item{byte_view(storages[i]), fused ? offset : 0, at::Tensor()};
-    if (!fused) {
-      blocks.push_back(pool.acquire(records[i]->nbytes()));
-      item.host = blocks.back()->buffer();
-    }
+    if (!fused) item.host = blocks[i]->buffer();
     plan.items.push_back(std::move(item));
     offset += records[i]->nbytes();
   }
@@ -740,6 +804,7 @@ void SwapEngine::offload_batch_locked(const std::vector<std::shared_ptr<StorageR
     released.push_back(free_in_place(storages[i]));
     r->transition(Residency::kOffloading);
     r->settled = true;
+    r->pool_refused = false;
     r->host = fused ? blocks.front() : blocks[i];
     r->host_offset = fused ? offset : 0;
     r->d2h_done = done;

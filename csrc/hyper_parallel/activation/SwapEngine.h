@@ -166,6 +166,15 @@ class SwapEngine {
   void reset(bool schedule);
   // Waits for every queued copy of the thread backend (tests).
   void synchronize();
+  // The one-time warning of a pool made to keep on the device what does not fit under its
+  // cap (PinnedMemoryPool(when_full="keep")), the first time a release met it full; empty
+  // otherwise and after (the bindings turn it into a Python UserWarning after each release
+  // point). Thread-safe.
+  std::string take_pool_warning();
+  // Whether take_pool_warning() may have something to say (one relaxed atomic load).
+  bool pool_warning_pending() const {
+    return pool_warning_pending_.load(std::memory_order_relaxed);
+  }
   // Residency of the record of `t`'s storage, or nullptr when it is not managed.
   const char* residency_of(const at::Tensor& t) const;
   // Layers known to the schedule (linked or with invocations waiting to be linked).
@@ -190,6 +199,12 @@ class SwapEngine {
   void try_offload_locked(std::vector<std::shared_ptr<StorageRecord>> candidates, bool fuse);
   void offload_batch_locked(const std::vector<std::shared_ptr<StorageRecord>>& records,
                             const std::vector<c10::Storage>& storages, bool fused);
+  // offload_batch_locked() once every block is held (one per record, or one for a fused
+  // bucket of `total` bytes): one submit, then the storages are freed.
+  void offload_blocks_locked(const std::vector<std::shared_ptr<StorageRecord>>& records,
+                             const std::vector<c10::Storage>& storages, bool fused,
+                             c10::Device device, CopyEngine& engine,
+                             std::vector<std::shared_ptr<HostBlock>> blocks, size_t total);
   // Reloads `record` (with its fused bucket, if any).
   void reload_locked(const std::shared_ptr<StorageRecord>& record);
   // Reloads `records` (offloaded, one device) with one submit; fused iff they are exactly
@@ -236,6 +251,9 @@ class SwapEngine {
   // D2H events of the invocations submitted through the window that may be in flight.
   std::deque<std::vector<CopyEventPtr>> offloads_in_flight_;
   std::vector<CopyEventPtr>* collect_d2h_ = nullptr;  // set while the pump submits a group
+  // The pool of the latest refusal under a keep_when_full cap, until take_pool_warning().
+  std::weak_ptr<HostBufferPool> refused_pool_;
+  std::atomic<bool> pool_warning_pending_{false};
   bool debug_checks_ = false;
   std::atomic<bool> skip_reload_wait_{false};
   int64_t next_group_id_ = 0;

@@ -18,6 +18,7 @@ const char* to_string(SkipReason reason) {
     case SkipReason::kInUseElsewhere: return "in_use_elsewhere";
     case SkipReason::kLastLayer: return "last_layer";
     case SkipReason::kLinkSaturated: return "link_saturated";
+    case SkipReason::kHostPoolFull: return "host_pool_full";
     case SkipReason::kSavedBeforeRegistration: return "saved_before_registration";
     case SkipReason::kCount: break;
   }

@@ -30,6 +30,7 @@ enum class SkipReason : uint8_t {
                            // began (docs/design.md, "Offload window")
   kSavedBeforeRegistration,  // registered (swap_tensor_wrapper) after an op of the layer had
                              // saved it: autograd holds it as itself, out of the engine's reach
+  kHostPoolFull,           // its PinnedMemoryPool(when_full="keep") had no room under its cap
   kCount
 };
 constexpr size_t kNumSkipReasons = static_cast<size_t>(SkipReason::kCount);

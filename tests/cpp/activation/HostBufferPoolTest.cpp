@@ -112,6 +112,28 @@ TEST(HostBufferPoolTest, CapRefusesWhenBlocksInUseLeaveNoRoom) {
   EXPECT_EQ(s.allocations, 2);
 }
 
+TEST(HostBufferPoolTest, TryAcquireReturnsNullWhereAcquireThrowsAndCountsIt) {
+  auto pool = HostBufferPool::create(false, int64_t{8} << 30, /*max_host_bytes=*/16384,
+                                     /*keep_when_full=*/true);
+  EXPECT_TRUE(pool->keep_when_full());
+  auto a = pool->try_acquire(8192);
+  ASSERT_NE(a, nullptr);
+  EXPECT_FALSE(pool->take_first_refusal());  // nothing refused yet
+  auto b = pool->try_acquire(12288);         // 8192 + 12288 > 16384, nothing to wait for
+  EXPECT_EQ(b, nullptr);
+  auto c = pool->try_acquire(8192);          // still fits
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(pool->try_acquire(1), nullptr);
+  const auto s = pool->stats();
+  EXPECT_EQ(s.refusals, 2);
+  EXPECT_EQ(s.bytes_in_use, 16384);  // the refused requests reserved nothing
+  EXPECT_EQ(s.allocations, 2);
+  EXPECT_TRUE(pool->take_first_refusal());   // once...
+  EXPECT_FALSE(pool->take_first_refusal());  // ...per pool
+  a.reset();  // given back (no copy in flight): cached, then reused under the cap
+  EXPECT_NE(pool->try_acquire(8192), nullptr);
+}
+
 TEST(HostBufferPoolTest, CapWaitsForAnInFlightBlockAndReusesIt) {
   auto pool = HostBufferPool::create(false, int64_t{8} << 30, /*max_host_bytes=*/16384);
   auto event = std::make_shared<CompletesOnWait>();

@@ -33,6 +33,7 @@ REASONS = {
     "link_saturated": "layers whose offload still waited for the link when their backward began",
     "saved_before_registration": "tensors registered with swap_tensor_wrapper after an op of "
                                  "the layer had saved them",
+    "host_pool_full": "storages a PinnedMemoryPool(when_full='keep') had no room for",
 }
 
 

@@ -9,7 +9,10 @@ of their activations never exceeds the cap. When a block does not fit, the pool 
 drops its cached blocks, then waits for blocks whose last copy is still in flight;
 when the blocks held by offloaded (not yet reloaded) activations alone leave no room,
 the offload raises ``RuntimeError`` naming the cap, before any byte of that copy moved
-(the activations it would have moved stay on device, intact).
+(the activations it would have moved stay on device, intact), or, for a pool made with
+``when_full="keep"``, the activations that do not fit stay on the device and training
+goes on (one warning per pool; counted as ``"host_pool_full"`` in
+``SwapManager().stats()["skipped"]``).
 """
 
 from __future__ import annotations
@@ -28,8 +31,20 @@ class PinnedMemoryPool:
             below 1 MiB, then four classes per power of two), so a pool holds somewhat
             fewer payload bytes than its cap.
 
+        when_full: what an offload that finds no room under the cap does, once cached
+            blocks were dropped and blocks of copies in flight waited for:
+            ``"raise"`` (default): a ``RuntimeError`` naming the cap, raised in the forward
+            (at the release point), the activations of that offload intact on the device;
+            ``"keep"``: the activations that do not fit (a whole fused bucket, or each
+            storage whose block does not fit) stay on the device, the others are offloaded,
+            and the step goes on: the cap bounds host memory and the device holds the rest.
+            The first refusal of a pool warns (``UserWarning``); every refusal counts in
+            :meth:`stats` (``refusals``) and the storages kept, at their backward, in
+            ``SwapManager().stats()["skipped"]["host_pool_full"]``.
+
     Raises:
-        ValueError: for a cap that is not a positive int.
+        ValueError: for a cap that is not a positive int, or ``when_full`` other than
+            ``"raise"`` or ``"keep"``.
 
     Blocks are page-locked when the pool serves an accelerator device (set at its first
     offload; a pool serves one kind of device) and pageable for host tensors swapped
@@ -41,12 +56,21 @@ class PinnedMemoryPool:
 
     __slots__ = ("_pool",)
 
-    def __init__(self, max_host_bytes: int) -> None:
+    def __init__(self, max_host_bytes: int, *, when_full: str = "raise") -> None:
         if (isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, int)
                 or not 0 < max_host_bytes <= 1 << 62):
             raise ValueError("hyper_parallel: PinnedMemoryPool(max_host_bytes) needs an int "
                              f"number of bytes in [1, 2**62], got {max_host_bytes!r}")
-        self._pool = _C.HostPool(max_host_bytes)
+        if not isinstance(when_full, str) or when_full not in ("raise", "keep"):
+            raise ValueError("hyper_parallel: PinnedMemoryPool(when_full=) must be 'raise' (an "
+                             "offload with no room under the cap raises) or 'keep' (what does "
+                             f"not fit stays on the device), got {when_full!r}")
+        self._pool = _C.HostPool(max_host_bytes, keep_when_full=when_full == "keep")
+
+    @property
+    def when_full(self) -> str:
+        """``"raise"`` or ``"keep"`` (see the class docstring)."""
+        return "keep" if self._pool.keep_when_full else "raise"
 
     @property
     def max_host_bytes(self) -> int:
@@ -58,7 +82,8 @@ class PinnedMemoryPool:
         activations), ``bytes_pending`` (given back, their last copy in flight),
         ``bytes_cached`` (free for reuse), ``allocations`` (blocks ever taken from the
         system), ``reuses``, ``cap_waits`` (offloads that waited for in-flight blocks to
-        fit under the cap)."""
+        fit under the cap), ``refusals`` (blocks a ``when_full="keep"`` pool had no room
+        for: their activations stayed on the device)."""
         return dict(self._pool.stats())
 
     def empty_cache(self) -> None:
@@ -75,12 +100,17 @@ class PinnedMemoryPool:
         return self
 
     def __reduce__(self):
-        return (PinnedMemoryPool, (self.max_host_bytes,))
+        return (_new_pool, (self.max_host_bytes, self.when_full))
 
     def __repr__(self) -> str:
         st = self._pool.stats()
         return (f"PinnedMemoryPool(max_host_bytes={self.max_host_bytes}, "
-                f"bytes_in_use={st['bytes_in_use']})")
+                f"when_full={self.when_full!r}, bytes_in_use={st['bytes_in_use']})")
+
+
+def _new_pool(max_host_bytes: int, when_full: str = "raise") -> PinnedMemoryPool:
+    """Unpickles a :class:`PinnedMemoryPool` (a new, empty pool with the same settings)."""
+    return PinnedMemoryPool(max_host_bytes, when_full=when_full)
 
 
 def native_pool(cpu_pool):

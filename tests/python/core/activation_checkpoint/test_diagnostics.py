@@ -22,7 +22,7 @@ from ._models import Block, Stack, assert_bitwise, grads, twin
 REASONS = {"parameter", "buffer", "host_tensor", "foreign_storage", "copy_on_write",
            "empty_storage", "no_storage", "meta_or_fake", "subclass_or_functional",
            "unsupported_device", "kept_by_policy", "in_use_elsewhere", "last_layer",
-           "link_saturated", "saved_before_registration"}
+           "link_saturated", "saved_before_registration", "host_pool_full"}
 
 
 def skipped(reason):

@@ -137,3 +137,156 @@ def test_a_deep_copy_shares_the_pool_and_pickling_keeps_the_cap(tmp_path):
     assert loaded[1].checkpoint_kwargs["cpu_pool"] is restored  # one pool, as saved
     x = torch.randn(2, 4)
     assert torch.equal(loaded(x), model(x))
+
+
+# --- when_full="keep": what does not fit stays on the device (tester B, session 20) -------
+
+def _skipped_pool_full():
+    entry = SwapManager().stats()["skipped"]["host_pool_full"]
+    return entry["count"], entry["bytes"]
+
+
+def _reference_grads(model, x):
+    ref = copy.deepcopy(model)
+    xr = x.detach().clone().requires_grad_()
+    ref(xr).square().sum().backward()
+    return xr.grad, [p.grad for p in ref.parameters()]
+
+
+def test_a_keep_pool_keeps_what_does_not_fit_on_the_device_and_trains_bitwise(cpu_swap, dev):
+    model = _mlp(dev)
+    x = torch.randn(8, D, device=dev)
+    ref_x_grad, ref_grads = _reference_grads(model, x)
+    # One page: the first 4 KiB storage of the region fits, the others do not.
+    pool = PinnedMemoryPool(4096, when_full="keep")
+    assert pool.when_full == "keep" and "when_full='keep'" in repr(pool)
+    SwapManager().reset_stats()
+    xs = x.clone().requires_grad_()
+    with pytest.warns(UserWarning, match=r"hyper_parallel: a PinnedMemoryPool\(max_host_bytes="
+                                         r"4096, when_full='keep'\) had no room"):
+        out = swap(model, xs, cpu_pool=pool)
+    SwapManager().synchronize()
+    st = pool.stats()
+    assert st["bytes_in_use"] == 4096  # what fitted was offloaded...
+    assert st["refusals"] >= 1          # ...the rest was refused
+    out.square().sum().backward()
+    SwapManager().synchronize()
+    count, nbytes = _skipped_pool_full()
+    # Every refused storage is counted once, at its backward, with its bytes.
+    assert count == pool.stats()["refusals"] and nbytes > 0
+    assert SwapManager().stats()["offload_bytes"] == 4096
+    assert torch.equal(xs.grad, ref_x_grad)
+    for p, g in zip(model.parameters(), ref_grads):
+        assert torch.equal(p.grad, g)
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_a_keep_pool_warns_once_and_every_step_stays_right(cpu_swap, dev):
+    import warnings
+
+    model = _mlp(dev)
+    pool = PinnedMemoryPool(4096, when_full="keep")
+    wrapped = swap_wrapper(model, cpu_pool=pool)
+    x = torch.randn(8, D, device=dev)
+    ref_x_grad, ref_grads = _reference_grads(model, x)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            xs = x.clone().requires_grad_()
+            wrapped(xs).square().sum().backward()
+            SwapManager().synchronize()
+            assert torch.equal(xs.grad, ref_x_grad)
+            for p, g in zip(model.parameters(), ref_grads):
+                assert torch.equal(p.grad, g)
+    said = [w for w in seen if "had no room" in str(w.message)]
+    assert len(said) == 1  # once per pool, not once per step
+    assert pool.stats()["refusals"] >= 3
+    # A second pool says it again (its own cap).
+    other = swap_wrapper(_mlp(dev), cpu_pool=PinnedMemoryPool(4096, when_full="keep"))
+    with pytest.warns(UserWarning, match="had no room"):
+        other(x.clone().requires_grad_()).sum().backward()
+
+
+def test_a_keep_pool_tries_a_fused_bucket_it_has_no_room_for_storage_by_storage(cpu_swap,
+                                                                                dev):
+    # group_swap fuses the region's small storages into one bucket, one host block: a
+    # bucket that does not fit is tried storage by storage, and what fits is offloaded.
+    model = _mlp(dev)
+    x = torch.randn(8, D, device=dev)
+    ref_x_grad, ref_grads = _reference_grads(model, x)
+    pool = PinnedMemoryPool(4096, when_full="keep")
+    SwapManager().reset_stats()
+    xs = x.clone().requires_grad_()
+    with pytest.warns(UserWarning, match="had no room"):
+        out = swap(model, xs, cpu_pool=pool, group_swap=True)
+    SwapManager().synchronize()
+    st = pool.stats()
+    assert st["bytes_in_use"] == 4096  # the GELU input, on its own
+    assert st["refusals"] >= 2         # the bucket, then the storages that did not fit
+    out.square().sum().backward()
+    assert SwapManager().stats()["offload_bytes"] == 4096
+    assert SwapManager().stats()["fused_copies"] == 0
+    assert _skipped_pool_full()[0] == st["refusals"] - 1  # every storage kept, once
+    assert torch.equal(xs.grad, ref_x_grad)
+    for p, g in zip(model.parameters(), ref_grads):
+        assert torch.equal(p.grad, g)
+
+
+def test_a_keep_pool_whose_warning_is_an_error_leaves_the_next_step_right(cpu_swap, dev):
+    import warnings
+
+    model = _mlp(dev)
+    x = torch.randn(8, D, device=dev)
+    ref_x_grad, ref_grads = _reference_grads(model, x)
+    pool = PinnedMemoryPool(4096, when_full="keep")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="had no room"):
+            swap(model, x.clone().requires_grad_(), cpu_pool=pool)
+    SwapManager().synchronize()
+    assert pool.stats()["bytes_in_use"] == 0  # the dropped step gave its block back
+    model.zero_grad(set_to_none=True)
+    xs = x.clone().requires_grad_()
+    swap(model, xs, cpu_pool=pool).square().sum().backward()
+    assert torch.equal(xs.grad, ref_x_grad)
+    for p, g in zip(model.parameters(), ref_grads):
+        assert torch.equal(p.grad, g)
+
+
+def test_when_full_is_checked_and_survives_pickling(tmp_path):
+    for bad in ("drop", "", None, True, "Keep"):
+        with pytest.raises(ValueError, match=r"PinnedMemoryPool\(when_full=\) must be 'raise'"):
+            PinnedMemoryPool(4096, when_full=bad)
+    with pytest.raises(TypeError):
+        PinnedMemoryPool(4096, "keep")  # keyword only
+    assert PinnedMemoryPool(4096).when_full == "raise"
+    path = tmp_path / "pool.pt"
+    torch.save(PinnedMemoryPool(8192, when_full="keep"), path)
+    loaded = torch.load(path, weights_only=False)
+    assert loaded.when_full == "keep" and loaded.max_host_bytes == 8192
+
+
+def test_a_keep_pool_under_manual_launch_offload(cpu_swap, dev):
+    # group_context + launch_offload (the user drives the release): the storages that do
+    # not fit stay, launch_load / wait_load skip them, the gradients are right.
+    pool = PinnedMemoryPool(8192, when_full="keep")
+
+    def body(t):
+        a = swap_tensor_wrapper(t * 3, cpu_pool=pool)  # 8 KiB: fits
+        b = swap_tensor_wrapper(t + 1, cpu_pool=pool)  # 8 KiB: no room left
+        return (a * b).exp()
+
+    t = torch.randn(64, D, device=dev, requires_grad=True)
+    with SwapManager().group_context("kept"):
+        y = body(t)
+    with pytest.warns(UserWarning, match="had no room"):
+        SwapManager().launch_offload("kept")
+    SwapManager().wait_offload("kept")
+    assert pool.stats()["bytes_in_use"] == 64 * D * 4 and pool.stats()["refusals"] == 1
+    SwapManager().launch_load("kept")
+    SwapManager().wait_load("kept")
+    y.sum().backward()
+    tr = t.detach().clone().requires_grad_()
+    ((tr * 3) * (tr + 1)).exp().sum().backward()
+    assert torch.equal(t.grad, tr.grad)
