@@ -34,6 +34,7 @@ Usage: PYTHONPATH=src python benchmarks/bench_planner.py [--layers 8] [--random 
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -84,14 +85,21 @@ def measure_once(model, step, plan, device, steps: int) -> tuple[int, list[float
         times, peak = [], 0
         clock = step_clock(device)  # what the profile times with
         for i in range(steps + 1):
-            _sync(device)
-            t0 = clock()
-            with saved_activation_memory() as meter:
-                step()
-            _sync(device)
-            manager.synchronize()
-            if i > 0:
-                times.append(clock() - t0)
+            # No collection inside a timed step (a full gc.collect() before each, as
+            # _common's protocol does, costs 0.3 s with transformers loaded: it doubled
+            # the run).
+            gc.disable()
+            try:
+                _sync(device)
+                t0 = clock()
+                with saved_activation_memory() as meter:
+                    step()
+                _sync(device)
+                manager.synchronize()
+                if i > 0:
+                    times.append(clock() - t0)
+            finally:
+                gc.enable()
             peak = max(peak, meter.peak_bytes)
             for p in model.parameters():
                 p.grad = None
@@ -118,6 +126,34 @@ def measure_all(model, step, plans: dict, device, steps: int, rounds: int) -> di
             times[label] += ts
     return {k: {"peak_bytes": peaks[k], "step_seconds": statistics.median(times[k])}
             for k in plans}
+
+
+def confirm(model, step, plans: dict, device, rounds: int, seed: int) -> dict:
+    """Paired rounds over a few plans: in each round every plan (a new seeded order) runs one
+    warm-up and one timed step; returns each plan's timed steps, one per round, aligned by
+    round, so that a ratio of two plans can be taken round by round (drift slower than a
+    round cancels)."""
+    times = {k: [] for k in plans}
+    order = list(plans)
+    shuffle = random.Random(seed)
+    for _ in range(rounds):
+        shuffle.shuffle(order)
+        for label in order:
+            times[label] += measure_once(model, step, plans[label], device, 1)[1]
+    return times
+
+
+def median_ratio_ci(a: list[float], b: list[float], seed: int, resamples: int = 2000,
+                    level: float = 0.9) -> tuple[float, float, float]:
+    """The median of the per-round ratios a[i] / b[i] and its percentile-bootstrap
+    confidence interval at ``level`` (rounds resampled with replacement; Efron and
+    Tibshirani, An Introduction to the Bootstrap, 1993, ch. 13)."""
+    rs = [x / y for x, y in zip(a, b)]
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(rs, k=len(rs))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return (statistics.median(rs), meds[int(tail * resamples)],
+            meds[min(resamples - 1, int((1 - tail) * resamples))])
 
 
 def solve_times(profile: ActivationProfile, sizes=(10, 50, 100, 200),
@@ -344,11 +380,13 @@ def run(args) -> dict:
                  for s in profile.strategies if s in measured]
         print(f"noise floor: the {len(again)} uniform plans timed while profiling vs here: "
               f"|difference| median {statistics.median(again):.1%} max {max(again):.1%}")
+        confirmed = _confirm_block(model, step, device, args, hand, measured, plans, points,
+                                   profile, names)
         results["ratios"][str(ratio)] = {"profile_seconds": profile_seconds,
                                          "none_peak_bytes": none_peak, "hand": measured,
                                          "planner": points, "load_before": load_before,
                                          "noise_floor": again,
-                                         "load_after": load_after}
+                                         "load_after": load_after, "confirmed": confirmed}
         last_profile = profile
     sizes = solve_times(last_profile)
     print(_solve_table(sizes, "solver alone: the last profile's layers tiled, budget 40 % of none"))
@@ -365,6 +403,53 @@ def run(args) -> dict:
     _plot(results, args.png)
     print(f"wrote {args.png}")
     return results
+
+
+def _confirm_block(model, step, device, args, hand, measured, plans, points, profile,
+                   names) -> list[dict]:
+    """The paired confirmation of one ratio (``--confirm`` rounds; 0: none). Picking the
+    best of many hand plans by one noisy measurement each favours the one measured
+    luckiest (the winner's curse), and the profile was timed a minute before: so for each
+    budget the planner's plan, the ``--confirm-hands`` fastest hand plans within the budget
+    (by the rounds above) and "none" are timed again, side by side in paired rounds.
+    Reported per budget: the median per-round ratio planner / hand against the hand plan
+    it compares worst with, with its 90 % bootstrap interval; the step-time prediction
+    error against the median of these steps; and the same error taken relative to "none"
+    in the same rounds (predicted plan / none over the median per-round measured plan /
+    none), which the machine's drift between the profile and now does not move."""
+    if args.confirm <= 0:
+        return []
+    out, rows = [], []
+    pred_none = _pred(profile, "none", names)["predicted_step_seconds"]
+    for point in points:
+        fraction, budget = point["fraction"], point["budget_bytes"]
+        fits = sorted((k for k, v in measured.items() if v["peak_bytes"] <= budget),
+                      key=lambda k: measured[k]["step_seconds"])[:args.confirm_hands]
+        if not fits:
+            continue
+        group = {"planner": plans[fraction], "none": "none",
+                 **{k: hand[k] for k in fits if k != "none"}}
+        times = confirm(model, step, group, device, args.confirm, seed=int(fraction * 100))
+        vs = {k: median_ratio_ci(times["planner"], times[k], seed=1) for k in fits}
+        worst = max(vs, key=lambda k: vs[k][0])
+        med, lo, hi = vs[worst]
+        got = statistics.median(times["planner"])
+        err = point["predicted_step_seconds"] / got - 1
+        rel_meas = statistics.median(p / n for p, n in zip(times["planner"], times["none"]))
+        rel_err = point["predicted_step_seconds"] / pred_none / rel_meas - 1
+        out.append({"fraction": fraction, "hands": fits, "times": times, "worst_hand": worst,
+                    "vs_hand": {k: list(v) for k, v in vs.items()},
+                    "planner_step_seconds": got, "time_error": err,
+                    "time_error_vs_none": rel_err})
+        rows.append([f"{fraction:.0%}", ", ".join(fits), worst,
+                     f"{point['vs_best']:.3f}", f"{med:.3f} [{lo:.3f}, {hi:.3f}]",
+                     f"{got * 1e3:.1f}", f"{err:+.1%}", f"{rel_err:+.1%}"])
+    print(table(["budget", "hand plans re-timed", "worst for planner", "planner/best (rounds)",
+                 "planner/hand paired [90% CI]", "planner ms", "pred. err time",
+                 "pred. err time / none"], rows,
+                title=f"paired confirmation: {args.confirm} rounds of 1 warm-up + 1 timed step "
+                      f"per plan; load average {load_average()}"))
+    return out
 
 
 def _pred(profile, plan, names) -> dict:
@@ -428,8 +513,13 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=2, help="timed steps per plan and round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all plans")
     p.add_argument("--random", type=int, default=20, help="random per-layer assignments")
+    p.add_argument("--confirm", type=int, default=24,
+                   help="paired confirmation rounds per budget (0: skip; see _confirm_block)")
+    p.add_argument("--confirm-hands", type=int, default=2,
+                   help="fastest hand plans within the budget re-timed in the confirmation")
     p.add_argument("--quick", action="store_true",
-                   help="6 random assignments, 2 rounds (a smoke run, about a minute)")
+                   help="6 random assignments, 2 rounds, 8 confirmation rounds (a smoke run, "
+                        "a few minutes)")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.5, 1.0, 2.0])
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=1)
@@ -451,7 +541,7 @@ def main(argv=None):
         print(f"load average after: {load_average()}")
         return rows
     if args.quick:
-        args.random, args.rounds = 6, 2
+        args.random, args.rounds, args.confirm = 6, 2, min(args.confirm, 8)
     if args.layers < 8:
         p.error("--layers must be >= 8 (issue 11's benchmark shape)")
     run(args)
