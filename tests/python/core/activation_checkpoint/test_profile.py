@@ -9,7 +9,7 @@ compute (the wall-clock probe it replaces counted a sin forward and backward as 
 import pytest
 import torch
 
-from hyper_parallel.core.activation_checkpoint import SwapManager
+from hyper_parallel.core.activation_checkpoint import SwapManager, profile_activation_memory
 from hyper_parallel.core.activation_checkpoint._profile import (
     _copy_points,
     fit_copy_link,
@@ -538,6 +538,53 @@ def test_a_recomputing_strategy_is_floored_at_none_and_its_swapping_twin_at_it()
         (1.1, 2.0)]
     assert [(c.forward_seconds, c.backward_seconds)
             for c in runs["checkpoint_swap"]["costs"]] == [(1.0, 2.0)]
+
+
+def test_instrumentation_is_removed_by_the_paired_median_ratio_and_never_added():
+    # The profiled steps run the meter and the per-layer hooks, the user's do not: every
+    # time is scaled by the median over the rounds of plain / profiled "none" (session 21:
+    # plans were predicted 7-14 % slow on an 8-layer Llama with 4 ms layers).
+    from hyper_parallel.core.activation_checkpoint._profile import (
+        LayerCost, _remove_instrumentation)
+
+    def runs():
+        return {name: {"costs": [LayerCost(0, 0, 1.0, 2.0), LayerCost(0, 0, 3.0, 4.0)],
+                       "tail_seconds": 0.5, "outside_seconds": 0.25, "step_seconds": 11.0}
+                for name in ("none", "swap")}
+
+    got = runs()
+    # rounds: 0.8, 0.9 and 0.5 (a slow spell of the probed step) -> the median 0.8
+    scale = _remove_instrumentation(got, plain=[8.0, 9.0, 5.0], probed=[10.0, 10.0, 10.0])
+    assert scale == pytest.approx(0.8)
+    for run in got.values():
+        assert [(c.forward_seconds, c.backward_seconds) for c in run["costs"]] == [
+            pytest.approx((0.8, 1.6)), pytest.approx((2.4, 3.2))]
+        assert run["tail_seconds"] == pytest.approx(0.4)
+        assert run["outside_seconds"] == pytest.approx(0.2)
+        assert run["step_seconds"] == 11.0  # the measured step stays as measured
+    # A plain step that noise made slower than the profiled one corrects nothing.
+    got = runs()
+    assert _remove_instrumentation(got, plain=[12.0, 11.0, 13.0], probed=[10.0] * 3) == 1.0
+    assert got["none"]["costs"][0].forward_seconds == 1.0
+    assert _remove_instrumentation(runs(), plain=[], probed=[]) == 1.0
+
+
+def test_the_profile_runs_one_plain_step_per_round_and_says_its_scale():
+    calls = []
+    torch.manual_seed(0)
+    model = Stack(3, 16)
+    x = torch.randn(4, 16)
+
+    def step():
+        calls.append(1)
+        model(x).backward()
+
+    profile = profile_activation_memory(model, step, layers=[f"layers.{k}" for k in range(3)],
+                                        candidates=["none", "checkpoint"], repeats=2)
+    assert len(calls) == 1 + 2 * (2 + 1)  # warm-up, then per round: plain + 2 candidates
+    assert 0.0 < profile.timing_scale <= 1.0
+    again = type(profile).from_dict(profile.to_dict())
+    assert again.timing_scale == profile.timing_scale
 
 
 def _measured_peak(model, step, plan):
