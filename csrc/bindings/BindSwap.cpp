@@ -139,11 +139,26 @@ struct SavedPassThrough {
   uint32_t saved_version;
 };
 
+// The tensor is held as a detached alias (same storage and version counter, no grad_fn)
+// when it has a grad_fn: a saved output holding its own grad_fn closes a cycle (its node
+// owns the SavedVariable, which would own the tensor, which owns the node) that Python's
+// collector cannot see through (autograd's nodes are not traversed), so a graph dropped
+// without a backward (`u.norm().item()` for a log line) was never freed, nor the tensors it
+// saved: a registered storage it had saved stayed on the device (tester D, session 20).
+// Lossless: with hooks, SavedVariable keeps the grad_fn and output number itself and
+// rebuilds the tensor from the data unpack returns (torch's saved_variable.cpp; torch's
+// docs detach in pack hooks for this reason).
 py::object pass_through(const py::object& obj, const at::Tensor& t) {
   const c10::VariableVersion& version = t.unsafeGetTensorImpl()->version_counter();
   if (!version.enabled()) return obj;  // inference tensors track no version
+  py::object held = obj;
+  if (!t.is_leaf()) {
+    held = t.key_set().has(c10::DispatchKey::Python)
+               ? obj.attr("detach")()  // a subclass detaches through its own dispatch
+               : py::reinterpret_steal<py::object>(THPVariable_Wrap(t.detach()));
+  }
   return py::cast(std::make_shared<SavedPassThrough>(
-      SavedPassThrough{obj, version, version.current_version()}));
+      SavedPassThrough{std::move(held), version, version.current_version()}));
 }
 
 class PackHook {

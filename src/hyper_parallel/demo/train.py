@@ -102,7 +102,7 @@ class _StackMeter:
 
     def _hide_tail(self, module, args, output):
         if self._meter_ctx is not None and self._tail_ctx is None:
-            self._tail_ctx = torch.autograd.graph.saved_tensors_hooks(_same, _same)
+            self._tail_ctx = torch.autograd.graph.saved_tensors_hooks(_detached, _same)
             self._tail_ctx.__enter__()
 
     def after_forward(self) -> None:
@@ -134,6 +134,11 @@ class _StackMeter:
 
 def _same(x):
     return x
+
+
+def _detached(x):
+    # (a saved output that kept its grad_fn would close a cycle no collector breaks)
+    return x.detach()
 
 
 def _synchronize(device: torch.device) -> None:

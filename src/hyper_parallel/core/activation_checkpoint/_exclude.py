@@ -36,6 +36,13 @@ def _keep(t):
     return t
 
 
+def _keep_detached(t):
+    # A detached alias: a saved output that kept its grad_fn would close a cycle through
+    # autograd's node that Python's collector cannot break (a graph dropped without a
+    # backward would never be freed; BindSwap.cpp, pass_through).
+    return t.detach()
+
+
 class _Kept:
     """What one call of an exclusion region returned in forward (tensors with their
     version counter at that moment)."""
@@ -156,7 +163,7 @@ def run_excluded(key, fn, save_output: bool, what: str, args, kwargs):
             native.add_excluding(1)
         try:
             # Shadows the checkpoint frame's hook: the part's own backward keeps its tensors.
-            with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            with torch.autograd.graph.saved_tensors_hooks(_keep_detached, _keep):
                 out = fn(*args, **kwargs)
         finally:
             for state in forward:
