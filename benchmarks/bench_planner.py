@@ -453,7 +453,7 @@ def _confirm_block(model, step, device, args, hand, measured, plans, points, pro
         rows.append([f"{fraction:.0%}", ", ".join(fits), worst,
                      f"{point['vs_best']:.3f}", f"{med:.3f} [{lo:.3f}, {hi:.3f}]",
                      f"{got * 1e3:.1f}", f"{err:+.1%}", f"{rel_err:+.1%}"])
-    print(table(["budget", "hand plans re-timed", "worst for planner", "planner/best (rounds)",
+    print(table(["budget", "hand plans re-timed", "worst for planner", "planner/best (screening)",
                  "planner/hand paired [90% CI]", "planner ms", "pred. err time",
                  "pred. err time / none"], rows,
                 title=f"paired confirmation: {args.confirm} rounds of 1 warm-up + 1 timed step "

@@ -591,9 +591,8 @@ std::shared_ptr<SwapGroup> group_by_name(const std::string& name) {
 
 void warn_pool_refusal() {
   if (!SwapEngine::global().pool_warning_pending()) return;
-  const std::string msg = SwapEngine::global().take_pool_warning();
-  if (!msg.empty() && PyErr_WarnEx(PyExc_UserWarning, msg.c_str(), 1) < 0) {
-    throw py::error_already_set();
+  for (const std::string& msg : SwapEngine::global().take_pool_warnings()) {
+    if (PyErr_WarnEx(PyExc_UserWarning, msg.c_str(), 1) < 0) throw py::error_already_set();
   }
 }
 

@@ -32,14 +32,15 @@ size_t HostBufferPool::size_class(size_t nbytes) {
 }
 
 std::unique_ptr<HostBlock> HostBufferPool::acquire(size_t nbytes) {
-  return acquire_or_null(nbytes, false);
+  return acquire_or_null(nbytes, false, false);
 }
 
-std::unique_ptr<HostBlock> HostBufferPool::try_acquire(size_t nbytes) {
-  return acquire_or_null(nbytes, true);
+std::unique_ptr<HostBlock> HostBufferPool::try_acquire(size_t nbytes, bool count_refusal) {
+  return acquire_or_null(nbytes, true, count_refusal);
 }
 
-std::unique_ptr<HostBlock> HostBufferPool::acquire_or_null(size_t nbytes, bool or_null) {
+std::unique_ptr<HostBlock> HostBufferPool::acquire_or_null(size_t nbytes, bool or_null,
+                                                           bool count_refusal) {
   const size_t cls = size_class(nbytes);
   const auto bytes = static_cast<int64_t>(cls);
   at::Tensor buffer;
@@ -60,8 +61,28 @@ std::unique_ptr<HostBlock> HostBufferPool::acquire_or_null(size_t nbytes, bool o
         break;
       }
       if (max_host_bytes_ > 0) {
-        // Make room under the cap: drop cached blocks (largest first), then wait for
-        // the pending ones; only blocks in use cannot be reclaimed.
+        // Only the blocks in use cannot be reclaimed: when they leave no room, nothing is
+        // dropped or waited for (a refusal keeps the cache, so a steady loop still reuses
+        // it, and never waits for a copy that could not make room; tester, session 21).
+        if (stats_.bytes_in_use + bytes > max_host_bytes_) {
+          if (or_null) {
+            if (count_refusal) stats_.refusals += 1;
+            return nullptr;
+          }
+          HP_CHECK(bytes <= max_host_bytes_, "host pool full: a block of ", bytes,
+                   " bytes (the size class of ", nbytes, " bytes) is larger than the pool's "
+                   "cap of ", max_host_bytes_, " bytes (max_host_bytes). Raise max_host_bytes "
+                   "above it, or keep this tensor out of the pool (a swap policy_fn returning "
+                   "CheckpointPolicy.MUST_SAVE for it).");
+          HP_CHECK(false, "host pool full: a block of ", bytes,
+                   " bytes does not fit under the pool's cap of ", max_host_bytes_,
+                   " bytes (max_host_bytes), because ", stats_.bytes_in_use,
+                   " bytes hold offloaded activations that have not been reloaded yet. "
+                   "Raise max_host_bytes of this PinnedMemoryPool, swap fewer layers into "
+                   "it, or run the backward that reloads them before the next forward.");
+        }
+        // It fits once reclaimed: drop cached blocks (largest first), then wait for the
+        // pending ones (their last copy) and retry.
         auto held = [&] { return stats_.bytes_in_use + stats_.bytes_pending + stats_.bytes_cached; };
         while (held() + bytes > max_host_bytes_ && !free_.empty()) {
           auto last = std::prev(free_.end());
@@ -69,16 +90,7 @@ std::unique_ptr<HostBlock> HostBufferPool::acquire_or_null(size_t nbytes, bool o
           free_.erase(last);
         }
         if (held() + bytes > max_host_bytes_) {
-          if (pending_.empty() && or_null) {
-            stats_.refusals += 1;
-            return nullptr;
-          }
-          HP_CHECK(!pending_.empty(), "host pool full: a block of ", bytes,
-                   " bytes does not fit under the pool's cap of ", max_host_bytes_,
-                   " bytes (max_host_bytes), because ", stats_.bytes_in_use,
-                   " bytes hold offloaded activations that have not been reloaded yet. "
-                   "Raise max_host_bytes of this PinnedMemoryPool, swap fewer layers into "
-                   "it, or run the backward that reloads them before the next forward.");
+          HP_INTERNAL_ASSERT(!pending_.empty(), "host pool: over the cap with nothing pending");
           for (const auto& p : pending_) wait_on.push_back(p.last_use);
           stats_.cap_waits += 1;
         }

@@ -14,9 +14,10 @@
 // are released to the system.
 //
 // Cap (`max_host_bytes`, 0 = none): the bytes the pool holds from the system (in use +
-// pending + cached) never exceed it. An acquire() that does not fit first drops cached
-// blocks, then waits for pending blocks (their last copy) and reuses or drops them; when
-// the blocks in use alone leave no room, it throws c10::Error naming the cap. A pool per
+// pending + cached) never exceed it. When the blocks in use alone leave no room, acquire()
+// throws c10::Error naming the cap at once (dropping nothing, waiting for nothing);
+// otherwise a block that does not fit first drops cached blocks, then waits for pending
+// blocks (their last copy) and reuses or drops them. A pool per
 // purpose (PinnedMemoryPool in Python) bounds the host memory of the activations it holds.
 // A pool made with `keep_when_full` tells the engine to keep such a batch on the device
 // instead (try_acquire() returns null where acquire() throws; docs/design.md, "Host
@@ -83,13 +84,15 @@ class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
                                                 bool keep_when_full = false);
 
   // Returns a block of at least `nbytes` (> 0) bytes. Throws c10::Error when the system
-  // allocation fails, or when the block cannot fit under the cap even after every pending
-  // block was waited for (the blocks in use are held by offloaded activations). May block
-  // the calling thread on copy events (never while holding the pool lock).
+  // allocation fails, or when the blocks in use (held by offloaded activations) leave no
+  // room for it under the cap. May block the calling thread on copy events (never while
+  // holding the pool lock) when it fits once pending blocks are reclaimed.
   std::unique_ptr<HostBlock> acquire(size_t nbytes);
-  // acquire(), but null (counted in stats().refusals) where acquire() would throw for the
-  // cap; a failed system allocation still throws.
-  std::unique_ptr<HostBlock> try_acquire(size_t nbytes);
+  // acquire(), but null where acquire() would throw for the cap (counted in
+  // stats().refusals when `count_refusal`); a failed system allocation still throws. When
+  // the blocks in use leave no room, it returns at once: no cached block is dropped and no
+  // copy waited for.
+  std::unique_ptr<HostBlock> try_acquire(size_t nbytes, bool count_refusal = true);
 
   // Size class for a request of `nbytes`.
   static size_t size_class(size_t nbytes);
@@ -120,7 +123,7 @@ class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
                  bool keep_when_full)
       : pinned_(pinned), max_cached_bytes_(max_cached_bytes), max_host_bytes_(max_host_bytes),
         keep_when_full_(keep_when_full) {}
-  std::unique_ptr<HostBlock> acquire_or_null(size_t nbytes, bool or_null);
+  std::unique_ptr<HostBlock> acquire_or_null(size_t nbytes, bool or_null, bool count_refusal);
   void give_back(at::Tensor buffer, size_t size_class, CopyEventPtr last_use);
   void promote_completed_locked();
   void trim_locked();

@@ -80,8 +80,9 @@ class StorageRecord {
   // (SwapStats skipped: kInUseElsewhere, kLastLayer): it is counted at most once.
   bool settled = false;
   // True once a release found no room for it under its PinnedMemoryPool's cap, the pool
-  // made to keep such batches on the device (HostBufferPool::keep_when_full): counted as
-  // SkipReason::kHostPoolFull when its backward begins, unless a later release moved it.
+  // made to keep such storages on the device (HostBufferPool::keep_when_full): counted as
+  // SkipReason::kHostPoolFull then (and `settled`), the count taken back if a later
+  // release moves it.
   bool pool_refused = false;
 
   // Copy state (meaningful outside kDevice).

@@ -462,23 +462,27 @@ void SwapEngine::count_skipped_locked(SwapGroup* group, const void* key,
   counters_->add_skipped(reason, static_cast<int64_t>(nbytes));
 }
 
-std::string SwapEngine::take_pool_warning() {
-  std::shared_ptr<HostBufferPool> pool;
+std::vector<std::string> SwapEngine::take_pool_warnings() {
+  std::vector<std::weak_ptr<HostBufferPool>> pools;
   {
     std::lock_guard<std::mutex> lock(mu_);
     pool_warning_pending_.store(false, std::memory_order_relaxed);
-    pool = refused_pool_.lock();
-    refused_pool_.reset();
+    pools.swap(refused_pools_);
   }
-  if (!pool || !pool->take_first_refusal()) return {};
-  std::ostringstream msg;
-  msg << "hyper_parallel: a PinnedMemoryPool(max_host_bytes=" << pool->max_host_bytes()
-      << ", when_full='keep') had no room under its cap for an offload: the activations "
-         "that did not fit stay on the device (SwapManager().stats()['skipped']"
-         "['host_pool_full'] counts them at their backward, the pool's stats()['refusals'] "
-         "counts the refusals). Raise max_host_bytes, or swap fewer layers into this pool, "
-         "to offload them. This is said once per pool.";
-  return msg.str();
+  std::vector<std::string> out;
+  for (const auto& weak : pools) {
+    auto pool = weak.lock();
+    if (!pool || !pool->take_first_refusal()) continue;
+    std::ostringstream msg;
+    msg << "hyper_parallel: a PinnedMemoryPool(max_host_bytes=" << pool->max_host_bytes()
+        << ", when_full='keep') had no room under its cap for an offload: the activations "
+           "that did not fit stay on the device (SwapManager().stats()['skipped']"
+           "['host_pool_full'] counts them, the pool's stats()['refusals'] counts the "
+           "refusals). Raise max_host_bytes, or swap fewer layers into this pool, to offload "
+           "them. This is said once per pool.";
+    out.push_back(msg.str());
+  }
+  return out;
 }
 
 void SwapEngine::count_kept_locked(const SwapGroup& group) {
@@ -496,7 +500,6 @@ void SwapEngine::count_kept_locked(const SwapGroup& group) {
     // here, at the backward, not at the registration: a save whose graph was dropped since
     // (a logged `u.norm().item()`) holds nothing (tester D).
     counters_->add_skipped(last_layer       ? SkipReason::kLastLayer
-                           : r->pool_refused ? SkipReason::kHostPoolFull
                            : link_saturated ? SkipReason::kLinkSaturated
                            : group.saw_passed(r->key()) ? SkipReason::kSavedBeforeRegistration
                                                         : SkipReason::kInUseElsewhere,
@@ -729,6 +732,21 @@ void SwapEngine::offload_batch_locked(const std::vector<std::shared_ptr<StorageR
   auto take = [&](size_t nbytes) {
     return keep ? pool.try_acquire(nbytes) : pool.acquire(nbytes);
   };
+  // A storage the pool had no room for stays on the device, counted kept at once (once,
+  // whatever region or backward it belongs to; a later release that moves it takes the
+  // count back: offload_blocks_locked).
+  auto refuse = [&](const std::shared_ptr<StorageRecord>& r) {
+    if (!r->pool_refused) {
+      r->pool_refused = true;
+      r->settled = true;
+      counters_->add_skipped(SkipReason::kHostPoolFull, static_cast<int64_t>(r->nbytes()));
+    }
+    auto shared = pool.shared_from_this();
+    bool listed = false;
+    for (const auto& w : refused_pools_) listed = listed || w.lock() == shared;
+    if (!listed) refused_pools_.push_back(shared);
+    pool_warning_pending_.store(true, std::memory_order_relaxed);
+  };
   std::vector<std::shared_ptr<StorageRecord>> kept_records;
   std::vector<c10::Storage> kept_storages;
   const std::vector<std::shared_ptr<StorageRecord>>* batch = &records;
@@ -737,8 +755,11 @@ void SwapEngine::offload_batch_locked(const std::vector<std::shared_ptr<StorageR
   size_t total = 0;
   for (const auto& r : records) total += r->nbytes();
   if (fused) {
-    std::unique_ptr<HostBlock> block = take(total);
-    if (!block) {  // no room for the bucket: those of its storages that fit go one by one
+    // The bucket's one block (its size class can exceed the sum of its storages'):
+    // without room for it, the storages go one by one (and those that do not fit stay, or
+    // raise, as the pool says).
+    std::unique_ptr<HostBlock> block = pool.try_acquire(total, /*count_refusal=*/false);
+    if (!block) {
       offload_batch_locked(records, storages, false);
       return;
     }
@@ -747,9 +768,7 @@ void SwapEngine::offload_batch_locked(const std::vector<std::shared_ptr<StorageR
     for (size_t i = 0; i < records.size(); ++i) {
       std::unique_ptr<HostBlock> block = take(records[i]->nbytes());
       if (!block) {
-        records[i]->pool_refused = true;
-        refused_pool_ = pool.shared_from_this();
-        pool_warning_pending_.store(true, std::memory_order_relaxed);
+        refuse(records[i]);
         continue;
       }
       blocks.push_back(std::move(block));
@@ -804,7 +823,10 @@ void SwapEngine::offload_blocks_locked(const std::vector<std::shared_ptr<Storage
     released.push_back(free_in_place(storages[i]));
     r->transition(Residency::kOffloading);
     r->settled = true;
-    r->pool_refused = false;
+    if (r->pool_refused) {  // counted kept when refused; moved after all
+      r->pool_refused = false;
+      counters_->remove_skipped(SkipReason::kHostPoolFull, static_cast<int64_t>(r->nbytes()));
+    }
     r->host = fused ? blocks.front() : blocks[i];
     r->host_offset = fused ? offset : 0;
     r->d2h_done = done;

@@ -166,12 +166,12 @@ class SwapEngine {
   void reset(bool schedule);
   // Waits for every queued copy of the thread backend (tests).
   void synchronize();
-  // The one-time warning of a pool made to keep on the device what does not fit under its
-  // cap (PinnedMemoryPool(when_full="keep")), the first time a release met it full; empty
-  // otherwise and after (the bindings turn it into a Python UserWarning after each release
-  // point). Thread-safe.
-  std::string take_pool_warning();
-  // Whether take_pool_warning() may have something to say (one relaxed atomic load).
+  // The one-time warning of each pool made to keep on the device what does not fit under
+  // its cap (PinnedMemoryPool(when_full="keep")) that a release met full since the last
+  // call, the first time it was met full; empty otherwise (the bindings turn each into a
+  // Python UserWarning after each release point). Thread-safe.
+  std::vector<std::string> take_pool_warnings();
+  // Whether take_pool_warnings() may have something to say (one relaxed atomic load).
   bool pool_warning_pending() const {
     return pool_warning_pending_.load(std::memory_order_relaxed);
   }
@@ -251,8 +251,8 @@ class SwapEngine {
   // D2H events of the invocations submitted through the window that may be in flight.
   std::deque<std::vector<CopyEventPtr>> offloads_in_flight_;
   std::vector<CopyEventPtr>* collect_d2h_ = nullptr;  // set while the pump submits a group
-  // The pool of the latest refusal under a keep_when_full cap, until take_pool_warning().
-  std::weak_ptr<HostBufferPool> refused_pool_;
+  // The pools that refused under a keep_when_full cap since take_pool_warnings().
+  std::vector<std::weak_ptr<HostBufferPool>> refused_pools_;
   std::atomic<bool> pool_warning_pending_{false};
   bool debug_checks_ = false;
   std::atomic<bool> skip_reload_wait_{false};

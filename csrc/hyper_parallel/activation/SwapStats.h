@@ -58,6 +58,11 @@ struct SwapStatsCounters {
     skipped_bytes[static_cast<size_t>(reason)] += nbytes;
     skipped_count[static_cast<size_t>(reason)] += 1;
   }
+  // Takes back one add_skipped() (a storage counted kept that a later release moved).
+  void remove_skipped(SkipReason reason, int64_t nbytes) {
+    skipped_bytes[static_cast<size_t>(reason)] -= nbytes;
+    skipped_count[static_cast<size_t>(reason)] -= 1;
+  }
 
   void add_resident(int64_t delta) {
     const int64_t now = resident_bytes.fetch_add(delta) + delta;

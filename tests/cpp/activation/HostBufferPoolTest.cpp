@@ -134,6 +134,34 @@ TEST(HostBufferPoolTest, TryAcquireReturnsNullWhereAcquireThrowsAndCountsIt) {
   EXPECT_NE(pool->try_acquire(8192), nullptr);
 }
 
+TEST(HostBufferPoolTest, ARefusalKeepsTheCacheAndWaitsForNothing) {
+  // Only the blocks in use cannot be reclaimed: a block they leave no room for is refused
+  // before any cached block is dropped or any pending copy waited for (tester, session 21:
+  // a steady loop reallocated every step).
+  auto pool = HostBufferPool::create(false, int64_t{8} << 30, /*max_host_bytes=*/16384,
+                                     /*keep_when_full=*/true);
+  auto held = pool->acquire(8192);
+  { auto cached = pool->acquire(4096); }  // given back with no copy: cached
+  EXPECT_EQ(pool->stats().bytes_cached, 4096);
+  EXPECT_EQ(pool->try_acquire(12288), nullptr);            // 8192 in use + 12288 > 16384
+  EXPECT_EQ(pool->try_acquire(12288, /*count_refusal=*/false), nullptr);
+  auto s = pool->stats();
+  EXPECT_EQ(s.bytes_cached, 4096);  // kept
+  EXPECT_EQ(s.cap_waits, 0);
+  EXPECT_EQ(s.refusals, 1);         // the uncounted try is not a refusal
+  EXPECT_NE(pool->try_acquire(4096), nullptr);  // the cached block, reused
+  EXPECT_EQ(pool->stats().reuses, 1);
+  // acquire() says the same at once, and names a block larger than the cap as such.
+  auto raising = HostBufferPool::create(false, int64_t{8} << 30, /*max_host_bytes=*/4096);
+  try {
+    raising->acquire(8192);
+    FAIL() << "a block larger than the cap must throw";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("is larger than the pool's cap of 4096 bytes"), std::string::npos) << msg;
+  }
+}
+
 TEST(HostBufferPoolTest, CapWaitsForAnInFlightBlockAndReusesIt) {
   auto pool = HostBufferPool::create(false, int64_t{8} << 30, /*max_host_bytes=*/16384);
   auto event = std::make_shared<CompletesOnWait>();

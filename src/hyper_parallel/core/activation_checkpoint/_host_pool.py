@@ -35,12 +35,14 @@ class PinnedMemoryPool:
             blocks were dropped and blocks of copies in flight waited for:
             ``"raise"`` (default): a ``RuntimeError`` naming the cap, raised in the forward
             (at the release point), the activations of that offload intact on the device;
-            ``"keep"``: the activations that do not fit (a whole fused bucket, or each
-            storage whose block does not fit) stay on the device, the others are offloaded,
-            and the step goes on: the cap bounds host memory and the device holds the rest.
-            The first refusal of a pool warns (``UserWarning``); every refusal counts in
-            :meth:`stats` (``refusals``) and the storages kept, at their backward, in
-            ``SwapManager().stats()["skipped"]["host_pool_full"]``.
+            ``"keep"``: each storage whose block does not fit stays on the device, the
+            others are offloaded (a fused ``group_swap`` bucket without room is tried
+            storage by storage), and the step goes on: the cap bounds host memory and the
+            device holds the rest. The first refusal of a pool warns (``UserWarning``);
+            every refusal counts in :meth:`stats` (``refusals``) and each storage kept,
+            once, in ``SwapManager().stats()["skipped"]["host_pool_full"]``.
+            In both modes, when the blocks in use leave no room, nothing cached is
+            dropped and no copy is waited for.
 
     Raises:
         ValueError: for a cap that is not a positive int, or ``when_full`` other than
@@ -82,8 +84,8 @@ class PinnedMemoryPool:
         activations), ``bytes_pending`` (given back, their last copy in flight),
         ``bytes_cached`` (free for reuse), ``allocations`` (blocks ever taken from the
         system), ``reuses``, ``cap_waits`` (offloads that waited for in-flight blocks to
-        fit under the cap), ``refusals`` (blocks a ``when_full="keep"`` pool had no room
-        for: their activations stayed on the device)."""
+        fit under the cap), ``refusals`` (storages a ``when_full="keep"`` pool had no
+        room for: they stayed on the device)."""
         return dict(self._pool.stats())
 
     def empty_cache(self) -> None:
