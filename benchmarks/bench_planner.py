@@ -82,7 +82,7 @@ def measure_once(model, step, plan, device, steps: int) -> tuple[int, list[float
     ``plan`` applied, after that warm-up step (which also warms the host pool up). The
     timed steps run without the meter, as a user's do (it costs about 10 % of this
     model's step on the CPU); the profile's times are scaled to such steps
-    (``ActivationProfile.timing_scale``)."""
+    (``ActivationProfile.timing_scales``)."""
     manager = SwapManager()
     apply_activation_memory(model, plan)
     try:
@@ -372,8 +372,10 @@ def run(args) -> dict:
                      "best hand (ms)", "planner/best", "pred. err peak / time"], rows,
                     title=f"ratio {ratio}: none peak {mib(none_peak)} MiB, "
                           f"none {measured['none']['step_seconds'] * 1e3:.1f} ms; "
-                          f"profiled in {profile_seconds:.1f} s (timing scale "
-                          f"{profile.timing_scale:.3f}); load average {load_before}"
+                          f"profiled in {profile_seconds:.1f} s (timing scales "
+                          f"{min(profile.timing_scales.values()):.3f}-"
+                          f"{max(profile.timing_scales.values()):.3f}); load average "
+                          f"{load_before}"
                           f" -> {load_after}"))
         errs_p = [abs(v["predicted_peak_bytes"] / max(1, v["peak_bytes"]) - 1)
                   for v in measured.values()]
@@ -391,7 +393,7 @@ def run(args) -> dict:
         confirmed = _confirm_block(model, step, device, args, hand, measured, plans, points,
                                    profile, names)
         results["ratios"][str(ratio)] = {"profile_seconds": profile_seconds,
-                                         "timing_scale": profile.timing_scale,
+                                         "timing_scales": profile.timing_scales,
                                          "none_peak_bytes": none_peak, "hand": measured,
                                          "planner": points, "load_before": load_before,
                                          "noise_floor": again,

@@ -140,13 +140,14 @@ class ActivationProfile:
         output_bytes: bytes of each layer's output.
         device: the model's device.
         world_size: ranks whose worst figures this holds (1 outside torch.distributed).
-        timing_scale: an uninstrumented "none" step over the profiled one (median of
-            each, <= 1). The profiled steps run the library's meter and per-layer hooks
-            (on the CPU, an 8-layer Llama with 4 ms layers: a plain step 32 ms, metered
-            35 ms, metered and hooked 37.7 ms; 2026-12-07), which the user's steps do
-            not; every time above (``costs``, ``tail_seconds``, ``outside_seconds``) is
-            scaled by it, so that plans are predicted as they run. ``measured`` keeps the
-            profiled steps' own times.
+        timing_scales: strategy -> its uninstrumented step over its profiled step (the
+            median of the rounds' ratios, <= 1). The profiled steps run the library's
+            meter and per-layer hooks, which the user's steps do not (on the CPU, an
+            8-layer Llama with 4 ms layers: a plain step 32 ms, metered 35 ms, metered
+            and hooked 37.7 ms; 2026-12-07), and the meter's cost grows with the tensors
+            a strategy saves; each strategy's times (its ``costs``; the tail and outside
+            times, from "none") are scaled by its factor, so that plans are predicted as
+            they run. ``measured`` keeps the profiled steps' own times.
     """
 
     layer_names: list[str]
@@ -163,7 +164,7 @@ class ActivationProfile:
     device: str = "cpu"
     world_size: int = 1
     tail_held_bytes: int = 0
-    timing_scale: float = 1.0
+    timing_scales: dict[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived figures
     @property
@@ -969,21 +970,20 @@ def _plain_step(step_fn: Callable[[], object], device: torch.device,
             p.grad = None
 
 
-def _remove_instrumentation(runs: dict, plain: list[float], probed: list[float]) -> float:
-    """Scales every time of ``runs`` (in place) by the median over the rounds of the
-    uninstrumented step over the profiled "none" step of the same round (paired: a slow
-    spell of a shared machine moves both), at most 1 (a plain step that noise made slower
-    corrects nothing); returns the factor (``ActivationProfile.timing_scale``)."""
+def _remove_instrumentation(run: dict, plain: list[float], probed: list[float]) -> float:
+    """Scales every time of one strategy's ``run`` (in place) by the median over the
+    rounds of its uninstrumented step over its profiled step of the same round (paired: a
+    slow spell of a shared machine moves both), at most 1 (a plain step that noise made
+    slower corrects nothing); returns the factor (``ActivationProfile.timing_scales``)."""
     ratios = [a / b for a, b in zip(plain, probed) if a > 0.0 and b > 0.0]
     if not ratios:
         return 1.0
     scale = min(1.0, statistics.median(ratios))
-    for run in runs.values():
-        for c in run["costs"]:
-            c.forward_seconds *= scale
-            c.backward_seconds *= scale
-        run["tail_seconds"] *= scale
-        run["outside_seconds"] *= scale
+    for c in run["costs"]:
+        c.forward_seconds *= scale
+        c.backward_seconds *= scale
+    run["tail_seconds"] *= scale
+    run["outside_seconds"] *= scale
     return scale
 
 
@@ -1027,10 +1027,10 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
     """Profiles ``step_fn`` under each candidate strategy (``repeats`` steps each, after
     one warm-up step of ``"none"``; times: the median) and measures the copy link (the
     engine's own copies during the swapping steps and a two-size probe, timed on the
-    engine's timeline). Each round also runs one step with nothing applied and no
-    instrumentation; the times are scaled by what the meter and the per-layer hooks cost
-    (``ActivationProfile.timing_scale``). ``step_fn`` runs ``1 + repeats x (candidates +
-    1)`` times.
+    engine's timeline). Each profiled step is followed by the same strategy's step with no
+    instrumentation; each strategy's times are scaled by what the meter and the per-layer
+    hooks cost it (``ActivationProfile.timing_scales``). ``step_fn`` runs ``1 + 2 x repeats
+    x candidates`` times.
 
     Args:
         model: the model whose layers will be planned (``nn.Module``).
@@ -1108,13 +1108,9 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
         # whatever was measured fastest, so noise that favours one strategy biases its
         # plans' predictions low).
         steps: dict[str, list[dict]] = {name: [] for name in names}
-        plain: list[float] = []
+        plain: dict[str, list[float]] = {name: [] for name in names}
         SwapManager().reset_stats()
         for _ in range(repeats):
-            # The same step with no meter and no probe, in every round: what the
-            # instrumentation costs (ActivationProfile.timing_scale).
-            plain.append(_plain_step(step_fn, device, params))
-            state.check_parameters()
             for name in names:
                 if name != "none":
                     apply_activation_memory(model, name, layers=layer_names)
@@ -1125,12 +1121,17 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
                         attribute_offloads(run["costs"], items)
                     _settle_kept(run["costs"])
                     steps[name].append(run)
+                    state.check_parameters()
+                    # The same step again with no meter and no probe: what the
+                    # instrumentation costs this strategy (ActivationProfile.timing_scales).
+                    plain[name].append(_plain_step(step_fn, device, params))
                 finally:
                     remove_activation_memory(model)
                 state.check_parameters()
         runs = {name: _typical(steps[name]) for name in names}
-        timing_scale = _remove_instrumentation(
-            runs, plain, [r["step_seconds"] for r in steps["none"]])
+        timing_scales = {name: _remove_instrumentation(
+            runs[name], plain[name], [r["step_seconds"] for r in steps[name]])
+            for name in names}
         _floor_by_twin(runs)
         if any(STRATEGIES[n].swaps for n in names):
             typical = max(c.kept_bytes for c in runs["none"]["costs"])
@@ -1164,7 +1165,7 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
                       "step_seconds": runs[n]["step_seconds"]} for n in names},
         output_bytes=none["output_bytes"],
         device=str(device),
-        timing_scale=timing_scale,
+        timing_scales=timing_scales,
     )
     return _worst_over_ranks(profile, device)
 
