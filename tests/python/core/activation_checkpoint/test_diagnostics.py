@@ -129,18 +129,22 @@ def test_a_storage_held_in_python_stays_on_device(cpu_swap, dev):
 
 class _Registers(nn.Module):
     """Registers `u` with swap_tensor_wrapper before or after `sin`, which saves it, after a
-    dropped side branch."""
+    dropped side branch; "logged": before, after a norm of it logged (a graph built and
+    dropped that saved it)."""
 
-    def __init__(self, late: bool):
+    def __init__(self, when: str):
         super().__init__()
         self.a = nn.Linear(64, 64)
-        self.late = late
+        self.late = when == "after"
+        self.logged = [] if when == "logged" else None
 
     def forward(self, h):
         for i in range(8):  # a side branch whose graph, and the tensors it saved, are dropped
             junk = torch.sin(self.a(h) * i)
             del junk
         u = self.a(h)
+        if self.logged is not None:
+            self.logged.append(u.norm().item())
         if not self.late:
             swap_tensor_wrapper(u)
         v = torch.sin(u)
@@ -149,15 +153,18 @@ class _Registers(nn.Module):
         return h + v
 
 
-@pytest.mark.parametrize("late", [False, True], ids=["before_the_save", "after_the_save"])
-def test_a_registration_after_the_save_is_counted_as_such(late, cpu_swap, dev):
+@pytest.mark.parametrize("when", ["before", "after", "logged"],
+                         ids=["before_the_save", "after_the_save", "after_a_logged_norm"])
+def test_a_registration_after_the_save_is_counted_as_such(when, cpu_swap, dev):
     # (testers, session 20) Registered after the op that saves it, a tensor cannot be
     # offloaded (autograd keeps it as itself): it was counted as "in use elsewhere", with no
     # word of why; now as "saved_before_registration". Registered before, it is offloaded,
     # also after a dropped side branch (a first version refused a fresh tensor at the
-    # address of a storage it had seen saved).
+    # address of a storage it had seen saved), and after a logged `u.norm().item()`, whose
+    # dropped graph had kept it on the device (test_dropped_graphs.py).
+    late = when == "after"
     torch.manual_seed(0)
-    model = nn.Sequential(*[_Registers(late) for _ in range(3)]).to(dev)
+    model = nn.Sequential(*[_Registers(when) for _ in range(3)]).to(dev)
     reference = twin(model)
     x = torch.randn(16, 64, device=dev)
     reference(x).sum().backward()
@@ -176,6 +183,7 @@ def test_a_registration_after_the_save_is_counted_as_such(late, cpu_swap, dev):
     else:
         assert stats["offload_bytes"] == 2 * nbytes
         assert skipped("saved_before_registration") == (0, 0)
+        assert skipped("in_use_elsewhere") == (0, 0)
 
 
 def test_cycle_in_the_chain_is_refused():

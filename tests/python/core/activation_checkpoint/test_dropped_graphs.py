@@ -6,8 +6,9 @@ is an output of the node saving it (``norm`` saves its own result): the node own
 SavedVariable, which owns the tensor, which owns the node. Autograd's nodes are not
 traversed by Python's collector, so the cycle lived forever, with every tensor the node
 saved; a registered activation it had saved stayed on the device, never offloaded
-(tester D, session 20). The hooks now hold a detached alias (BindSwap.cpp,
-pass_through; _exclude.py; torch's own docs detach in pack hooks for this reason).
+(tester D, session 20; test_diagnostics.py, "after_a_logged_norm"). The hooks now hold
+a detached alias (BindSwap.cpp, pass_through; _exclude.py; torch's own docs detach in pack
+hooks for this reason).
 """
 
 import gc
@@ -17,10 +18,7 @@ import torch
 from torch import nn
 
 from hyper_parallel.core.activation_checkpoint import (
-    CheckpointPolicy, SwapManager, checkpoint, checkpoint_exclude_wrapper,
-    saved_activation_memory, swap, swap_tensor_wrapper)
-
-from ._models import assert_bitwise, grads, twin
+    CheckpointPolicy, checkpoint, checkpoint_exclude_wrapper, saved_activation_memory, swap)
 
 
 def _dropped_norm(h):
@@ -71,36 +69,3 @@ def test_a_checkpoint_exclusion_frees_a_dropped_graphs_saved_output(dev):
     checkpoint(lambda t: part(lin(t)).sin(), x).sum().backward()
     gc.collect()
     assert refs and all(r() is None for r in refs)
-
-
-class _LogsThenRegisters(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(64, 64)
-        self.logged = []
-
-    def forward(self, h):
-        u = self.a(h)
-        self.logged.append(u.norm().item())  # a graph built and dropped: saves u
-        swap_tensor_wrapper(u)
-        return h + torch.sin(u)
-
-
-def test_a_logged_norm_before_the_registration_does_not_keep_it_on_the_device(cpu_swap,
-                                                                                dev):
-    torch.manual_seed(0)
-    model = nn.Sequential(*[_LogsThenRegisters() for _ in range(3)]).to(dev)
-    reference = twin(model)
-    x = torch.randn(16, 64, device=dev)
-    reference(x).sum().backward()
-    for a, b in zip(model, model[1:]):
-        SwapManager().set_forward_prefetch_layer(a, b)
-    SwapManager().reset_stats()
-    model(x).sum().backward()
-    SwapManager().synchronize()
-    assert_bitwise(grads(model), grads(reference))
-    stats = SwapManager().stats()
-    nbytes = 16 * 64 * 4
-    assert stats["offload_bytes"] == 2 * nbytes  # all but the last layer's, as unlogged
-    assert stats["skipped"]["saved_before_registration"]["count"] == 0
-    assert stats["skipped"]["in_use_elsewhere"]["count"] == 0
