@@ -600,8 +600,8 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
     within ``budget_bytes`` at the least predicted step time.
 
     Profiles ``step_fn`` a few times on the model's device (one warm-up step of "none"
-    and three steps per candidate strategy, in interleaved rounds; see
-    :func:`profile_activation_memory`), then
+    and three steps per candidate strategy, in interleaved rounds, each followed by the
+    same step without instrumentation; see :func:`profile_activation_memory`), then
     solves exactly, in C++, over all per-layer assignments with the cost model of SPEC 3's
     swap schedule (offload of layer k overlaps the following forwards on a FIFO D2H
     stream; its reload is issued when layer k+d's backward begins, d the prefetch depth,
