@@ -264,7 +264,7 @@ def _plan_auto(budget: str, config, state, tokens, device, console):
     tokens = tokens.to(device)
     console.print(f"[bold]auto:[/bold] profiling for the planner (budget {budget}): one "
                   "warm-up step of none, then three steps per candidate strategy in "
-                  "interleaved rounds")
+                  "interleaved rounds, each also run once without instrumentation")
     try:
         plan = plan_activation_memory(
             model, lambda: model(input_ids=tokens, labels=tokens).loss.backward(), budget)

@@ -214,6 +214,11 @@ class ActivationProfile:
         d["costs"] = {k: [LayerCost(**c) for c in v] for k, v in d["costs"].items()}
         d["d2h"] = CopyLink(**d["d2h"])
         d["h2d"] = CopyLink(**d["h2d"])
+        # A profile saved between 92d37c2 and d53c85d (2026-12-07) had one factor for all
+        # strategies, already applied to its times: kept, per strategy.
+        old = d.pop("timing_scale", None)
+        if old is not None and "timing_scales" not in d:
+            d["timing_scales"] = {name: float(old) for name in d.get("strategies", [])}
         return cls(**d)
 
 
@@ -956,8 +961,8 @@ _RESIDENT_TWIN = (("checkpoint", "none"), ("selective", "none"), ("swap", "none"
 
 def _plain_step(step_fn: Callable[[], object], device: torch.device,
                 params: list[nn.Parameter]) -> float:
-    """Seconds of one step with nothing applied, no meter and no probe (the user's step,
-    as the step clock times it)."""
+    """Seconds of one step of the strategy applied now (if any), with no meter and no
+    probe (the user's step, as the step clock times it)."""
     clock = step_clock(device)
     try:
         _sync(device)

@@ -585,6 +585,13 @@ def test_the_profile_runs_each_strategy_plain_once_per_round_and_says_its_scales
     assert all(0.0 < v <= 1.0 for v in profile.timing_scales.values())
     again = type(profile).from_dict(profile.to_dict())
     assert again.timing_scales == profile.timing_scales
+    # A dict saved with the one factor of 92d37c2 (tester, session 21) still loads.
+    old = profile.to_dict()
+    del old["timing_scales"]
+    old["timing_scale"] = 0.93
+    assert type(profile).from_dict(old).timing_scales == {"none": 0.93, "checkpoint": 0.93}
+    del old["timing_scale"]
+    assert type(profile).from_dict(old).timing_scales == {}
 
 
 def _measured_peak(model, step, plan):
