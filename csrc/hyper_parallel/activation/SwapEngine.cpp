@@ -727,7 +727,7 @@ void SwapEngine::offload_batch_locked(const std::vector<std::shared_ptr<StorageR
   // Every block is acquired before any storage is freed: a pool that raises leaves the
   // batch intact on the device. A pool that keeps what does not fit (keep_when_full) lends
   // blocks to those that fit, in order (a fused bucket it has no room for is tried
-  // storage by storage); the others stay (counted at their backward).
+  // storage by storage); the others stay, counted by refuse().
   const bool keep = pool.keep_when_full();
   auto take = [&](size_t nbytes) {
     return keep ? pool.try_acquire(nbytes) : pool.acquire(nbytes);
