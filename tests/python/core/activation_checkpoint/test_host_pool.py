@@ -147,17 +147,26 @@ def _skipped_pool_full():
     return entry["count"], entry["bytes"]
 
 
-def _reference_grads(model, x):
-    ref = copy.deepcopy(model)
-    xr = x.detach().clone().requires_grad_()
-    ref(xr).square().sum().backward()
-    return xr.grad, [p.grad for p in ref.parameters()]
+class _Reference:
+    """The gradients of a plain copy of ``model`` for ``x`` (loss: sum of squares);
+    ``check`` asserts a run's are bitwise equal."""
+
+    def __init__(self, model, x):
+        ref = copy.deepcopy(model)
+        xr = x.detach().clone().requires_grad_()
+        ref(xr).square().sum().backward()
+        self.x_grad, self.grads = xr.grad, [p.grad for p in ref.parameters()]
+
+    def check(self, model, xs):
+        assert torch.equal(xs.grad, self.x_grad)
+        for p, g in zip(model.parameters(), self.grads):
+            assert torch.equal(p.grad, g)
 
 
 def test_a_keep_pool_keeps_what_does_not_fit_on_the_device_and_trains_bitwise(cpu_swap, dev):
     model = _mlp(dev)
     x = torch.randn(8, D, device=dev)
-    ref_x_grad, ref_grads = _reference_grads(model, x)
+    reference = _Reference(model, x)
     # One page: the first 4 KiB storage of the region fits, the others do not.
     pool = PinnedMemoryPool(4096, when_full="keep")
     assert pool.when_full == "keep" and "when_full='keep'" in repr(pool)
@@ -176,9 +185,7 @@ def test_a_keep_pool_keeps_what_does_not_fit_on_the_device_and_trains_bitwise(cp
     # Every refused storage is counted once, at its backward, with its bytes.
     assert count == pool.stats()["refusals"] and nbytes > 0
     assert SwapManager().stats()["offload_bytes"] == 4096
-    assert torch.equal(xs.grad, ref_x_grad)
-    for p, g in zip(model.parameters(), ref_grads):
-        assert torch.equal(p.grad, g)
+    reference.check(model, xs)
     assert pool.stats()["bytes_in_use"] == 0
 
 
@@ -189,7 +196,7 @@ def test_a_keep_pool_warns_once_and_every_step_stays_right(cpu_swap, dev):
     pool = PinnedMemoryPool(4096, when_full="keep")
     wrapped = swap_wrapper(model, cpu_pool=pool)
     x = torch.randn(8, D, device=dev)
-    ref_x_grad, ref_grads = _reference_grads(model, x)
+    reference = _Reference(model, x)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -197,9 +204,7 @@ def test_a_keep_pool_warns_once_and_every_step_stays_right(cpu_swap, dev):
             xs = x.clone().requires_grad_()
             wrapped(xs).square().sum().backward()
             SwapManager().synchronize()
-            assert torch.equal(xs.grad, ref_x_grad)
-            for p, g in zip(model.parameters(), ref_grads):
-                assert torch.equal(p.grad, g)
+            reference.check(model, xs)
     said = [w for w in seen if "had no room" in str(w.message)]
     assert len(said) == 1  # once per pool, not once per step
     assert pool.stats()["refusals"] >= 3
@@ -215,7 +220,7 @@ def test_a_keep_pool_tries_a_fused_bucket_it_has_no_room_for_storage_by_storage(
     # bucket that does not fit is tried storage by storage, and what fits is offloaded.
     model = _mlp(dev)
     x = torch.randn(8, D, device=dev)
-    ref_x_grad, ref_grads = _reference_grads(model, x)
+    reference = _Reference(model, x)
     pool = PinnedMemoryPool(4096, when_full="keep")
     SwapManager().reset_stats()
     xs = x.clone().requires_grad_()
@@ -229,9 +234,7 @@ def test_a_keep_pool_tries_a_fused_bucket_it_has_no_room_for_storage_by_storage(
     assert SwapManager().stats()["offload_bytes"] == 4096
     assert SwapManager().stats()["fused_copies"] == 0
     assert _skipped_pool_full()[0] == st["refusals"]  # every storage kept, once
-    assert torch.equal(xs.grad, ref_x_grad)
-    for p, g in zip(model.parameters(), ref_grads):
-        assert torch.equal(p.grad, g)
+    reference.check(model, xs)
 
 
 def test_a_keep_pool_whose_warning_is_an_error_leaves_the_next_step_right(cpu_swap, dev):
@@ -239,7 +242,7 @@ def test_a_keep_pool_whose_warning_is_an_error_leaves_the_next_step_right(cpu_sw
 
     model = _mlp(dev)
     x = torch.randn(8, D, device=dev)
-    ref_x_grad, ref_grads = _reference_grads(model, x)
+    reference = _Reference(model, x)
     pool = PinnedMemoryPool(4096, when_full="keep")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -250,9 +253,7 @@ def test_a_keep_pool_whose_warning_is_an_error_leaves_the_next_step_right(cpu_sw
     model.zero_grad(set_to_none=True)
     xs = x.clone().requires_grad_()
     swap(model, xs, cpu_pool=pool).square().sum().backward()
-    assert torch.equal(xs.grad, ref_x_grad)
-    for p, g in zip(model.parameters(), ref_grads):
-        assert torch.equal(p.grad, g)
+    reference.check(model, xs)
 
 
 def test_when_full_is_checked_and_survives_pickling(tmp_path):
@@ -362,7 +363,7 @@ def test_every_keep_pool_that_refuses_at_one_release_warns(cpu_swap, dev):
 def test_storages_kept_are_counted_without_a_scheduled_backward(how, cpu_swap, dev):
     model = _mlp(dev)
     x = torch.randn(16, D, device=dev)
-    ref_x_grad, ref_grads = _reference_grads(model, x)
+    reference = _Reference(model, x)
     pool = PinnedMemoryPool(4096, when_full="keep")
     SwapManager().reset_stats()
     xs = x.clone().requires_grad_()
@@ -381,9 +382,7 @@ def test_storages_kept_are_counted_without_a_scheduled_backward(how, cpu_swap, d
     SwapManager().synchronize()
     count, nbytes = _skipped_pool_full()
     assert count == pool.stats()["refusals"] >= 1 and nbytes >= 8192
-    assert torch.equal(xs.grad, ref_x_grad)
-    for p, g in zip(model.parameters(), ref_grads):
-        assert torch.equal(p.grad, g)
+    reference.check(model, xs)
 
 
 @pytest.mark.parametrize("when_full", ["keep", "raise"])
