@@ -49,12 +49,12 @@
 // stays (dominance and the cut-off agree: the bound is non-decreasing in kept bytes and in
 // the last layer's offload bytes), so the best plan found within it is the optimum. The
 // first cut-off lies kCutoffFirst above the relaxation's optimum; when no plan is found
-// within it, the second is the objective of the best plan known to fit (that search's or
-// the fallback's), so it cannot come back empty. Unsaturated 100-layer profiles: 20-30 ms,
-// 20-50x fewer labels created; saturated profiles of 30 layers that fell back are now
-// solved exactly; saturated 100-layer ones (copies 1-3x a forward) still fall back: their
-// cut-off searches give up (label limits, or kCutScanPerLabel), at 66-99 ms instead of
-// 55-69.
+// within it, the later ones are the objective of the best plan known to fit (that
+// search's or the fallback's, below), so they cannot come back empty. Unsaturated
+// 100-layer profiles: 14-30 ms, 20-50x fewer labels created; saturated profiles of 30
+// layers are solved exactly; saturated 100-layer ones (copies 1-3x a forward) mostly
+// fall back: their exact cut-off searches give up (label limits, or kCutScanPerLabel),
+// and the capped searches answer in 80-150 ms (below).
 //
 // Deferred bytes (OptionCost::deferred_bytes, a layer input its caller still holds at the
 // layer's release point; they leave at the next layer's release point): their bytes are
@@ -108,7 +108,20 @@
 // profiles of PlannerTest stay below 90 per layer and are solved exactly), then runs a
 // capped search (a heuristic): the same labels with exact bytes, binned by phase and kept
 // bytes (budget / kFallbackBins), each bin keeping the kFallbackPerBin fastest labels no
-// other of the bin dominates; bytes being exact, its plan meets the budgets. It proves how
+// other of the bin dominates; bytes being exact, its plan meets the budgets. A second
+// capped search follows, with kWideBins bins and that plan's objective as its cut-off,
+// which drops most labels at birth: where none of its bins overflowed (prune_capped()
+// dropped only dominated labels), it kept every label the exact search keeps, so its plan
+// is the optimum (stats.exact); otherwise the faster of the two plans stands, and the
+// exact search with that cut-off is tried last (given up like the first). On the Python
+// benchmark's saturated 100-layer profile (bench_planner.py --solve-only; optima found by
+// an unbounded cut-off search in 20-30 s) the second pass brought the plan from 0.49 %
+// and 0.20 % above the optimum to 0.03 % and 0.05 %. The cut-offs after the first also
+// bound the D2H backlog: add_linear_bound() solves backwards, with the phases of the
+// search, each completion's time plus its backlog increments linearised (a queue
+// max(0, q - a) + c is at least q - a + c, and max(0, .) is non-decreasing, so the first
+// reload's wait is at least the label's backlog plus the increments after it, less the
+// tail), and a label's bound is the larger of that and rest_bound()'s. It proves how
 // far that plan can be from the optimum with a relaxation: no D2H backlog (the first
 // reload's wait, the only term that reads it, is >= 0), so one phase prices every layer
 // (relaxed_bound(): labels swept in kept order by merging the per-option lists, no sort;
@@ -118,11 +131,13 @@
 // relaxation's optimum less y x host budget bounds every plan within the host budget
 // (Lagrangian relaxation; y searched by golden section on a log scale), together with the
 // relaxation on a byte grid rounded down when its search stays within kMaxExactLabels per
-// layer, the larger of the two). Its optimum is <= the
-// true optimum, so stats.lower_bound bounds the plan's loss: plan / lower_bound - 1
-// (0.26-0.64 % on the saturated 100-layer profiles of PlannerTest, about 40 ms each;
-// the exact optima lie between). When the plan's objective equals the bound, the plan
-// is optimal and stats.exact is true.
+// layer, the larger of the two). Its optimum is <= the true optimum, and so are
+// rest_bound()'s root, add_linear_bound()'s and the first cut-off when its search ended
+// without a plan within it: stats.lower_bound, the largest of them, bounds the plan's
+// loss: plan / lower_bound - 1 (0.08-0.47 % on the saturated 100-layer profiles of
+// PlannerTest, where one of four is now solved exactly; 100-150 ms each; the exact optima
+// lie between). When the plan's objective equals the bound, the plan is optimal and
+// stats.exact is true.
 //
 // Depth d >= 2: the memory constraints are exact (the d classes), the time minimised is
 // the depth-1 time of the assignment, an upper bound of its depth-d time (a reload issued
@@ -165,6 +180,7 @@ struct SearchStats {
   int64_t widest_layer = 0;    // most labels kept after one layer
   bool exact = true;           // false: found by the fallback search (see solve())
   bool overflowed = false;     // internal: the search stopped at its label limit
+  bool truncated = false;      // internal: the capped search dropped an undominated label
   double objective = 0.0;      // the search's objective of the plan found (seconds)
   // A proven lower bound of the optimal objective (step seconds + traffic term) within
   // the budgets: the objective itself when the search was exact; after the fallback, the
@@ -186,6 +202,10 @@ inline constexpr double kChargeGap = 0.005;
 // The fallback's bins of kept bytes (budget / kFallbackBins) and labels per bin and phase.
 inline constexpr int64_t kFallbackBins = 96;
 inline constexpr int kFallbackPerBin = 3;
+// Bins of the second capped search, the one with a cut-off (see solve()).
+inline constexpr int64_t kWideBins = 384;
+// Bins of kept bytes of add_linear_bound() (budget / kLinearBins).
+inline constexpr int64_t kLinearBins = 256;
 // Lowered searches of the held-bytes relaxation when charging the most finds nothing.
 inline constexpr int kHeldRetries = 12;
 // The relaxation's bins of kept bytes (budget / kBoundBins), see relaxed_bound().
@@ -243,6 +263,13 @@ class Planner {
   double relaxed_lower_bound(int64_t budget_bytes, const std::vector<uint64_t>& allowed = {},
                              int64_t host_budget_bytes = -1) const;
 
+  // A proven lower bound of the optimal objective within the device budget that counts
+  // the D2H backlog: the least time plus backlog increments, linearised, of any plan
+  // (add_linear_bound(); the first reload's wait max(0, q) is at least q). Strongest where
+  // copies outlast the forwards; +inf when no plan fits the relaxation; NaN at depth >= 2.
+  // O(layers x kLinearBins x classes^2 x options).
+  double linear_lower_bound(int64_t budget_bytes, const std::vector<uint64_t>& allowed = {}) const;
+
   const StepProfile& profile() const { return profile_; }
 
  private:
@@ -266,6 +293,14 @@ class Planner {
     std::vector<std::vector<double>> seconds;
     int64_t bin_bytes = 1;
     double root = std::numeric_limits<double>::infinity();
+    // add_linear_bound() (empty until it ran): linear[k][(i * radix_ + c) * 4 + phase] is a
+    // lower bound of the time of layers k .. n-1 plus their D2H backlog increments,
+    // linearised, for a label of that phase (search()) keeping at least
+    // i x linear_bin_bytes whose last layer took offload class c: a label's time left is
+    // at least its backlog plus that. linear_root: the whole step's (-inf: not built).
+    std::vector<std::vector<double>> linear;
+    int64_t linear_bin_bytes = 1;
+    double linear_root = -std::numeric_limits<double>::infinity();
   };
   // The search's cut-off (branch and bound): a label whose time plus the bound of `rest`
   // on what is left, the tail and the time outside the layers exceeds `seconds` is dropped.
@@ -284,6 +319,10 @@ class Planner {
   // shared bytes) solved backwards over kept bytes rounded down to multiples of bin_bytes
   // (budget / kRestBins). O(layers x kRestBins x classes x options).
   RestBound rest_bound(int64_t budget_bytes, const std::vector<uint64_t>& allowed) const;
+  // Fills rest.linear (see RestBound) over kept bytes rounded down to multiples of
+  // budget / kLinearBins. O(layers x kLinearBins x classes^2 x options).
+  void add_linear_bound(RestBound& rest, int64_t budget_bytes,
+                        const std::vector<uint64_t>& allowed) const;
   // The optimum of the relaxation (depth <= 1, no host budget): exact bytes, no D2H
   // backlog; +inf when no plan meets the budget.
   // `host_price` (seconds per byte) is added to every offloaded byte's time.
