@@ -571,8 +571,11 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     PlanResult r = cut_search(first);
     if (!r.stats.overflowed && r.feasible && r.stats.objective <= first) return exact(r);
     if (!r.stats.overflowed && r.feasible) known = r.stats.objective;
-    // A search that ran to its end without a plan within the cut-off proves none exists.
-    if (!r.stats.overflowed && (!r.feasible || r.stats.objective > first)) proven = first;
+    // A search that ran to its end without a plan within the cut-off proves none exists
+    // (not with bytes rounded up: it may have missed plans that fit).
+    if (quantum_ == 1 && !r.stats.overflowed && (!r.feasible || r.stats.objective > first)) {
+      proven = first;
+    }
     spent_created += r.stats.labels_created;
     spent_kept += r.stats.labels_kept;
   } else {
@@ -834,6 +837,14 @@ Planner::RestBound Planner::rest_bound(int64_t budget, const std::vector<uint64_
 
 void Planner::add_linear_bound(RestBound& out, int64_t budget,
                                const std::vector<uint64_t>& allowed) const {
+  // Backwards over the layers like rest_bound(), per phase of search(): the least time
+  // of the layers left plus the increments of the D2H backlog they add, each as if no
+  // queue ever emptied (Planner.h). Increments, as search() moves the backlog: none
+  // before any offload (the queue is exactly empty), the whole copy at the first offload,
+  // copy less forward while offloads go on; at the layer after the last offload, its
+  // forward less what its backward leaves of the last reload's window (depth 1; forward
+  // and backward at depth 0); forward and backward while draining; the tail at the end.
+  // Rounding kept bytes down only lowers the table (non-decreasing in them).
   const StepProfile& p = profile_;
   const size_t n = p.num_layers(), s = p.num_options();
   const size_t radix = static_cast<size_t>(radix_);
@@ -1009,12 +1020,12 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
                            int per_kept, bool relaxed, int64_t bucket,
                            int64_t labels_per_layer, bool charge_runs,
                            bool least_held, const Cutoff* cutoff) const {
-  PlanResult result;
   const StepProfile& p = profile_;
   const size_t n = p.num_layers(), s = p.num_options();
   const int depth = depth_;
   const bool exposed = p.prefetch_depth == 0;  // every reload waits in full
   const int64_t host_cap = host_budget < 0 ? std::numeric_limits<int64_t>::max() : host_budget;
+  PlanResult result;
   if (budget < p.base_bytes) return result;
   uint64_t keep_mod = 1;  // radix^(depth - 1): the digits that survive one shift
   for (int i = 1; i < depth; ++i) keep_mod *= radix_;

@@ -265,9 +265,11 @@ class Planner {
 
   // A proven lower bound of the optimal objective within the device budget that counts
   // the D2H backlog: the least time plus backlog increments, linearised, of any plan
-  // (add_linear_bound(); the first reload's wait max(0, q) is at least q). Strongest where
-  // copies outlast the forwards; +inf when no plan fits the relaxation; NaN at depth >= 2.
-  // O(layers x kLinearBins x classes^2 x options).
+  // (add_linear_bound(); the first reload's wait max(0, q) is at least q). Weak for a
+  // whole step (a plan that stops offloading early drains everything on paper), tight
+  // where every layer must swap and the copies outlast the forwards; solve() uses it per
+  // label, where it bites on labels that carry a backlog. +inf when no plan fits the
+  // relaxation; NaN at depth >= 2. O(layers x kLinearBins x classes^2 x options).
   double linear_lower_bound(int64_t budget_bytes, const std::vector<uint64_t>& allowed = {}) const;
 
   const StepProfile& profile() const { return profile_; }

@@ -874,6 +874,38 @@ TEST(PlannerTest, SaturatedHundredLayersIsBoundedByItsRelaxation) {
   }
 }
 
+TEST(PlannerTest, WithAByteQuantumTheBoundStillHoldsBelowTheOptimum) {
+  // Bytes rounded up to a quantum make the searches pessimistic (their plans fit, but
+  // they may miss plans that fit in exact bytes), so only relaxations may bound the loss.
+  // 60 saturated layers, where the rounded searches fall back and report a bound: every
+  // finite bound lies below the plan the planner finds in exact bytes (an upper bound of
+  // the optimum), and below its optimum where it proves one.
+  int bounded = 0;
+  for (uint32_t seed : {11u, 12u}) {
+    const StepProfile p = six_options(60, seed, 2.0);
+    const Planner exact_bytes(p);
+    const int64_t none = peak_of(p, 0);
+    for (double fraction : {0.25, 0.4}) {
+      const int64_t budget = static_cast<int64_t>(fraction * static_cast<double>(none));
+      const PlanResult want = exact_bytes.solve(budget);
+      ASSERT_TRUE(want.feasible);
+      for (int64_t parts : {int64_t{64}, int64_t{256}, int64_t{1024}}) {
+        const PlanResult got = Planner(p, budget / parts).solve(budget);
+        SCOPED_TRACE("seed " + std::to_string(seed) + " fraction " + std::to_string(fraction) +
+                     " parts " + std::to_string(parts));
+        ASSERT_TRUE(got.feasible);
+        EXPECT_LE(got.prediction.peak_bytes, budget);
+        if (std::isnan(got.stats.lower_bound)) continue;
+        ++bounded;
+        EXPECT_LE(got.stats.lower_bound, objective_of(want) * (1 + 1e-12));
+        if (want.stats.exact) EXPECT_LE(got.stats.lower_bound, want.stats.objective * (1 + 1e-12));
+      }
+    }
+  }
+  std::printf("[planner] byte quantum, 60 saturated layers: %d finite bounds checked\n", bounded);
+  EXPECT_GT(bounded, 3);
+}
+
 TEST(PlannerTest, HostBudgetOnThirtyLayersStaysSmallAndBounded) {
   // 30 layers x 6 options under a host budget: the host bytes make a second dimension of
   // the fronts. The fallback's bound used to search a byte grid of kept x host bytes
