@@ -285,11 +285,16 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
 // Sort-free: one pass over the labels, O(labels x per_bin).
 // Returns whether it dropped a label that no other dominates (a bin overflowed): when no
 // layer's pruning did, the search kept every label the exact one keeps and is exact.
+// Under a host budget the bins are also split by host bytes (`host_bucket` > 0, each bin
+// of kept bytes into `host_bins`): the fastest labels of a bin tend to be those that
+// offload the most, and keeping only them lost every plan within the host budget (solve()
+// found none at a budget above one min_peak() met; tester, session 22).
 bool prune_capped(std::vector<Label>& labels, double linear, int64_t bucket, int64_t bins,
-                  int per_bin, const std::vector<int64_t>* code_bytes,
-                  std::vector<int32_t>& slots, std::vector<int32_t>& counts) {
+                  int64_t host_bucket, int64_t host_bins, int per_bin,
+                  const std::vector<int64_t>* code_bytes, std::vector<int32_t>& slots,
+                  std::vector<int32_t>& counts) {
   bool truncated = false;
-  const size_t cells = static_cast<size_t>(4 * bins);
+  const size_t cells = static_cast<size_t>(4 * bins * host_bins);
   slots.assign(cells * static_cast<size_t>(per_bin), -1);
   counts.assign(cells, 0);
   auto off_of = [&](const Label& l) -> int64_t {
@@ -309,8 +314,10 @@ bool prune_capped(std::vector<Label>& labels, double linear, int64_t bucket, int
   for (size_t i = 0; i < labels.size(); ++i) {
     const Label& l = labels[i];
     const int64_t bin = std::min<int64_t>(l.kept / bucket, bins - 1);
-    const size_t cell = static_cast<size_t>(l.phase) * static_cast<size_t>(bins) +
-                        static_cast<size_t>(bin);
+    const int64_t host_bin = host_bucket > 0 ? std::min<int64_t>(l.host / host_bucket, host_bins - 1) : 0;
+    const size_t cell = (static_cast<size_t>(l.phase) * static_cast<size_t>(bins) +
+                         static_cast<size_t>(bin)) * static_cast<size_t>(host_bins) +
+                        static_cast<size_t>(host_bin);
     int32_t* slot = &slots[cell * static_cast<size_t>(per_bin)];
     int32_t& count = counts[cell];
     bool dominated = false;
@@ -565,12 +572,16 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
                   false, 0, kExactLabelsPerLayer, false, least_held, &cut);
   };
   double known = kInf;  // the objective of a plan known to fit
+  PlanResult known_plan;  // that plan
   double proven = root;  // a lower bound of the optimum
   if (!rest.seconds.empty()) {
     const double first = root * (1.0 + kCutoffFirst);
     PlanResult r = cut_search(first);
     if (!r.stats.overflowed && r.feasible && r.stats.objective <= first) return exact(r);
-    if (!r.stats.overflowed && r.feasible) known = r.stats.objective;
+    if (!r.stats.overflowed && r.feasible) {
+      known = r.stats.objective;
+      known_plan = r;
+    }
     // A search that ran to its end without a plan within the cut-off proves none exists
     // (not with bytes rounded up: it may have missed plans that fit).
     if (quantum_ == 1 && !r.stats.overflowed && (!r.feasible || r.stats.objective > first)) {
@@ -595,6 +606,12 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   const int64_t bucket = std::max<int64_t>(1, (budget - profile_.base_bytes) / kFallbackBins);
   PlanResult a = search(budget, host_budget, m, false, quantum_, tolerance_, -1, kFallbackPerBin,
                         false, bucket, 0, false, least_held);
+  if (known_plan.feasible && (!a.feasible || known < a.stats.objective)) {
+    known_plan.stats.labels_created = a.stats.labels_created;
+    known_plan.stats.labels_kept = a.stats.labels_kept;
+    known_plan.stats.widest_layer = std::max(known_plan.stats.widest_layer, a.stats.widest_layer);
+    a = std::move(known_plan);
+  }
   if (!rest.seconds.empty() && (a.feasible || std::isfinite(known))) {
     // A plan within it fits: the exact search within its objective cannot come back empty.
     double upper = a.feasible ? std::min(known, a.stats.objective) : known;
@@ -646,6 +663,23 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
       e.stats.labels_created += a.stats.labels_created - spent_created;
       e.stats.labels_kept += a.stats.labels_kept - spent_kept;
       return exact(e);  // its own bound where it is exact (it had been left NaN)
+    }
+    if (!a.feasible) {
+      // The capped searches found no plan and the exact one outgrew its limit: any plan
+      // within the budgets rather than none (the memory-only search keeps every label no
+      // other holds less than, so it finds one wherever one exists), not optimised for
+      // time. Otherwise a budget could be refused while a smaller one was met.
+      PlanResult f = search(budget, host_budget, m, true, quantum_, 0.0, -1, 0, false, 0, 0,
+                            false, least_held);
+      if (f.feasible) {
+        f.stats.labels_created += a.stats.labels_created + e.stats.labels_created;
+        f.stats.labels_kept += a.stats.labels_kept + e.stats.labels_kept;
+        f.stats.exact = false;
+        f.stats.objective = f.prediction.step_seconds +
+                            kTrafficSecondsPerByte * static_cast<double>(f.prediction.offload_bytes);
+        f.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
+        return f;
+      }
     }
     return a;
   }
@@ -1205,7 +1239,11 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
     }
     result.stats.labels_created += static_cast<int64_t>(next.size());
     if (bucket > 0) {
-      if (prune_capped(next, most[k + 1], bucket, (budget - p.base_bytes) / bucket + 1, per_kept,
+      const int64_t host_bucket =
+          host_budget < 0 ? 0 : std::max<int64_t>(1, host_budget / kFallbackHostBins);
+      const int64_t host_bins = host_budget < 0 ? 1 : host_budget / host_bucket + 1;
+      if (prune_capped(next, most[k + 1], bucket, (budget - p.base_bytes) / bucket + 1,
+                       host_bucket, host_bins, per_kept,
                        depth == 1 ? &class_bytes_[k] : nullptr, slots, counts)) {
         result.stats.truncated = true;
       }

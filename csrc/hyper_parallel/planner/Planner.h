@@ -202,6 +202,9 @@ inline constexpr double kChargeGap = 0.005;
 // The fallback's bins of kept bytes (budget / kFallbackBins) and labels per bin and phase.
 inline constexpr int64_t kFallbackBins = 96;
 inline constexpr int kFallbackPerBin = 3;
+// Under a host budget, the capped searches' bins of host bytes (host budget / this) in each
+// bin of kept bytes.
+inline constexpr int64_t kFallbackHostBins = 8;
 // Bins of the second capped search, the one with a cut-off (see solve()).
 inline constexpr int64_t kWideBins = 384;
 // Bins of kept bytes of add_linear_bound() (budget / kLinearBins).
