@@ -430,6 +430,59 @@ bool Planner::uneven_held(const std::vector<uint64_t>& m) const {
 
 PlanResult Planner::solve(int64_t budget, const std::vector<uint64_t>& allowed,
                           int64_t host_budget) const {
+  PlanResult r = solve_unpolished(budget, allowed, host_budget);
+  if (r.feasible && !r.stats.exact) polish(r, budget, masks(allowed), host_budget);
+  return r;
+}
+
+void Planner::polish(PlanResult& r, int64_t budget, const std::vector<uint64_t>& allowed,
+                     int64_t host_budget) const {
+  // First-improvement hill climbing over one layer's option at a time, each candidate
+  // judged by evaluate() (peak, host peak and step time as the cost model predicts them,
+  // every charge included), layers in order, at most kPolishPasses passes. A heuristic's
+  // plan was not even locally optimal: on a tester's random 100-layer profile (copies
+  // 2.4x a forward) one change at a time took 9.7 % off its step time.
+  const size_t n = profile_.num_layers(), s = profile_.num_options();
+  auto objective = [](const Prediction& e) {
+    return e.step_seconds + kTrafficSecondsPerByte * static_cast<double>(e.offload_bytes);
+  };
+  auto fits = [&](const Prediction& e) {
+    return e.peak_bytes <= budget && (host_budget < 0 || e.host_peak_bytes <= host_budget);
+  };
+  if (!fits(r.prediction)) return;
+  std::vector<int> a = r.assignment;
+  double best = objective(r.prediction);
+  bool moved = false;
+  for (int pass = 0; pass < kPolishPasses; ++pass) {
+    bool improved = false;
+    for (size_t k = 0; k < n; ++k) {
+      for (size_t o = 0; o < s; ++o) {
+        if (static_cast<int>(o) == a[k] || !(allowed[k] >> o & 1)) continue;
+        const int was = a[k];
+        a[k] = static_cast<int>(o);
+        const Prediction e = evaluate(profile_, a);
+        if (fits(e) && objective(e) < best * (1.0 - 1e-12)) {
+          best = objective(e);
+          improved = moved = true;
+        } else {
+          a[k] = was;
+        }
+      }
+    }
+    if (!improved) break;
+  }
+  if (!moved) return;
+  r.assignment = std::move(a);
+  r.prediction = evaluate(profile_, r.assignment);
+  r.stats.objective = best;
+  if (std::isfinite(r.stats.lower_bound)) {
+    if (best <= r.stats.lower_bound * (1.0 + 1e-12)) r.stats.exact = true;
+    r.stats.lower_bound = std::min(r.stats.lower_bound, best);
+  }
+}
+
+PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>& allowed,
+                                     int64_t host_budget) const {
   // Held bytes (Planner.h): where the options of a layer hold unlike bytes, the search
   // charging each later layer the least is a relaxation; its plan, when evaluate() finds
   // it within the budget, is the optimum. Otherwise the search charging the most (every
@@ -1040,7 +1093,7 @@ PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_
     int64_t top = hi + charge, bottom = (uneven ? least_budget(hi, true) : hi) - 1;
     while (top - bottom > 1) {
       const int64_t mid = bottom + (top - bottom) / 2;
-      if (solve(mid, allowed, host_budget).feasible) top = mid;
+      if (solve_unpolished(mid, allowed, host_budget).feasible) top = mid;
       else bottom = mid;
     }
     hi = top;
