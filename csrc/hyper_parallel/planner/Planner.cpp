@@ -611,12 +611,40 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   }
   const double root = rest.root;
   int64_t spent_created = 0, spent_kept = 0;  // labels of the searches given up
+  // Deferred bytes (Planner.h): the search times a layer's deferred copy at the layer's
+  // own release point, evaluate() one release point later behind the next layer's offload,
+  // so the search's objective is no bound of evaluate()'s either way (a tester's 4-layer
+  // profile: a plan called optimal 1.6 % slower than the optimum, bounds up to 2.5 % above
+  // it). Only the relaxations without the D2H backlog then bound the optimum, and a plan
+  // is optimal where evaluate() finds it at that bound.
+  bool deferred = false;
+  for (size_t k = 0; k + 1 < profile_.num_layers(); ++k) {
+    for (size_t o = 0; o < profile_.num_options(); ++o) {
+      if ((m[k] >> o & 1) && profile_.layers[k][o].deferred_bytes > 0) deferred = true;
+    }
+  }
+  auto backlog_free_bound = [&] {
+    double low = host_budget < 0 ? relaxed_bound(budget, m) : host_priced_bound(budget, m, host_budget);
+    if (std::isfinite(root)) low = std::isfinite(low) ? std::max(low, root) : root;
+    return low;
+  };
+  auto evaluated = [](const PlanResult& x) {
+    return x.prediction.step_seconds +
+           kTrafficSecondsPerByte * static_cast<double>(x.prediction.offload_bytes);
+  };
   auto exact = [&](PlanResult x) {
     x.stats.labels_created += spent_created;
     x.stats.labels_kept += spent_kept;
-    x.stats.lower_bound = bounded && quantum_ == 1 && x.feasible
-                              ? x.stats.objective
-                              : std::numeric_limits<double>::quiet_NaN();
+    if (!(bounded && quantum_ == 1 && x.feasible)) {
+      x.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
+    } else if (!deferred) {
+      x.stats.lower_bound = x.stats.objective;
+    } else {
+      const double low = backlog_free_bound(), got = evaluated(x);
+      x.stats.exact = std::isfinite(low) && got <= low * (1.0 + 1e-12);
+      x.stats.lower_bound = std::isfinite(low) ? std::min(low, got)
+                                               : std::numeric_limits<double>::quiet_NaN();
+    }
     return x;
   };
   auto cut_search = [&](double seconds) {
@@ -750,8 +778,10 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     a.stats.labels_kept += l.stats.labels_kept;
     if (l.feasible && !l.stats.overflowed) low = std::max(low, l.stats.objective);
   }
+  // (With deferred bytes the search's own bounds are not evaluate()'s: the root only.)
+  if (deferred) proven = root;
   if (std::isfinite(proven)) low = std::isfinite(low) ? std::max(low, proven) : proven;
-  const double got = a.stats.objective;
+  const double got = deferred ? evaluated(a) : a.stats.objective;
   if (std::isfinite(low)) a.stats.lower_bound = std::min(low, got);
   // The relaxation's optimum is the plan's: the plan is optimal (the bound proves it).
   if (got <= low * (1.0 + 1e-12)) a.stats.exact = true;

@@ -668,6 +668,43 @@ TEST(PlannerTest, WithDeferredBytesThePlanMeetsItsBudgetAndIsNearTheOptimum) {
   EXPECT_LT(worst, 0.01);
 }
 
+TEST(PlannerTest, WithDeferredBytesNoBoundOrOptimumIsClaimedThatEvaluateRefutes) {
+  // Tester's input (session 22): 3 layers whose swapping options defer large inputs. The
+  // search times a deferred copy at its layer's release point, evaluate() one release
+  // point later: the plan {1, 0, 1} was called optimal with its bound at its own 0.12440 s,
+  // 0.9 % above the optimum 0.12324 s. Bounds now come from the relaxations without the
+  // D2H backlog, and a plan is optimal where evaluate() finds it at such a bound.
+  StepProfile p;
+  p.options = {"o0", "o1", "o2"};
+  p.layers = {
+      {OptionCost{19922944, 29360128, 0.006344810274631429, 0.00801827921535906},
+       OptionCost{3145728, 1048576, 0.006334097726130515, 0.008812599158519598},
+       OptionCost{2097152, 9437184, 0.006391113331611196, 0.00667385236860063, 6291456}},
+      {OptionCost{10485760, 15728640, 0.01259349292995538, 0.05153297723594015},
+       OptionCost{27262976, 25165824, 0.01216160061461587, 0.04237672085852774, 16777216},
+       OptionCost{15728640, 32505856, 0.012370789877350517, 0.04516423419167373, 17825792}},
+      {OptionCost{41943040, 0, 0.012972160961518398, 0.03960837246868681},
+       OptionCost{19922944, 37748736, 0.0129026233541009, 0.024042519962926306, 13631488},
+       OptionCost{28311552, 0, 0.013125472763089256, 0.03716402781822244, 3145728}}};
+  p.base_bytes = 4194304;
+  p.tail_bytes = 41943040;
+  p.outside_seconds = 0.0018557272808635283;
+  p.tail_seconds = 0.006321033762751452;
+  p.d2h = CopyLink{0.0030318407827992395, 1.2165646172273145e-09};
+  p.h2d = CopyLink{0.0009746916939898013, 1.2165646172273145e-09};
+  p.prefetch_depth = 1;
+  const int64_t budget = 131072000;
+  const PlanResult r = Planner(p).solve(budget);
+  const Best want = brute_force(p, budget);
+  ASSERT_TRUE(r.feasible);
+  ASSERT_TRUE(want.found);
+  EXPECT_LE(r.prediction.peak_bytes, budget);
+  if (r.stats.exact) EXPECT_NEAR(objective_of(r), want.time, 1e-12 * want.time);
+  if (!std::isnan(r.stats.lower_bound)) EXPECT_LE(r.stats.lower_bound, want.time * (1 + 1e-12));
+  // (polish() finds the optimum here: one layer's option away from the search's plan)
+  EXPECT_NEAR(objective_of(r), want.time, 1e-12 * want.time);
+}
+
 TEST(PlannerTest, HeldBytesCountUntilTheStepEnds) {
   // The caller holds 500 bytes of the last layer's saves (its input) and 200 of the head's
   // past their backward. Uniform swap: forward points 1000, 1100, 1200, end of forward
