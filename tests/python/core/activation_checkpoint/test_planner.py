@@ -679,3 +679,65 @@ def test_at_equal_times_a_budget_everything_fits_keeps_every_layer_resident(prof
     # (and with the budget below "none"'s peak, recompute is still chosen)
     tight = even.plan(int(even.none_peak_bytes * 0.6))
     assert any(s != "none" for s in tight.strategies.values())
+
+
+def _random_offloading(n: int, seed: int, ratio: float, depth: int):
+    """A tester's generator (session 22): random layers whose options offload a lot, the
+    link ``ratio`` x slower than the forwards (the planner's capped searches run)."""
+    import random
+
+    from hyper_parallel._extension import _C
+    mib = 1 << 20
+    rng = random.Random(seed)
+    s = rng.randint(3, 6)
+    p = _C.PlannerProfile()
+    p.options = [f"o{i}" for i in range(s)]
+    p.base_bytes, p.tail_bytes = rng.randint(0, 10) * mib, rng.randint(0, 40) * mib
+    p.outside_seconds, p.tail_seconds = rng.uniform(0, 0.02), rng.uniform(0, 0.01)
+    layers, fs, offs = [], [], []
+    for _ in range(n):
+        f = rng.uniform(0.5, 1.5) * 0.01
+        b = f * rng.uniform(1.5, 2.5)
+        common = rng.randint(0, 10 * mib)
+        opts = [_C.PlannerOptionCost(rng.randint(20 * mib, 40 * mib), 0, f, b)]
+        for _o in range(1, s):
+            off = 0 if rng.random() < 0.25 else rng.randint(1, 40 * mib)
+            kept = common if rng.random() < 0.6 else rng.randint(0, 40 * mib)
+            back = b * (1.0 + 2.0 / (1.0 + off / mib / 10.0)) * rng.uniform(0.95, 1.05)
+            opts.append(_C.PlannerOptionCost(kept, off, f * rng.uniform(1.0, 1.05), back))
+            if off:
+                offs.append(off)
+        fs.append(f)
+        layers.append(opts)
+    p.layers = layers
+    per = ratio * (sum(fs) / len(fs)) / (sum(offs) / max(1, len(offs)))
+    p.set_links(1e-4, per, 1e-4, per)
+    p.prefetch_depth = depth
+    return p
+
+
+@pytest.mark.parametrize("n, seed, ratio, depth, met, above, host", [
+    # min_peak() found nothing (no host budget): solve() at its least budget came back empty
+    (35, 12, 2.403492431984907, 1, None, None, -1),
+    # a larger budget refused where a smaller one was met, with and without a host budget
+    (70, 16148, 2.5032554817208754, 0, 389792234, 398673278, -1),
+    (30, 8157, 2.601504577825321, 1, 258577900, 289787835, 217479440),
+])
+def test_a_budget_above_one_met_is_met(n, seed, ratio, depth, met, above, host):
+    # Tester's inputs (session 22): saturated profiles where the exact search outgrew its
+    # limit and the capped searches kept only labels that no longer fit; solve() returned
+    # nothing although plans existed. It now falls back to any plan within the budgets.
+    from hyper_parallel._extension import _C
+    p = _random_offloading(n, seed, ratio, depth)
+    planner = _C.Planner(p)
+    least = planner.min_peak([], host)
+    assert least is not None
+    budgets = [least[1]["peak_bytes"]] + ([met, above] if met else [])
+    for budget in budgets:
+        got = planner.solve(budget, [], host)
+        assert got is not None, budget
+        assert got[1]["peak_bytes"] <= budget
+        if host >= 0:
+            assert got[1]["host_peak_bytes"] <= host
+        again = _C.planner_evaluate(p, got[0])
+        assert again["peak_bytes"] == got[1]["peak_bytes"]
