@@ -67,6 +67,11 @@
 // the fastest by the search's timing, which can differ from evaluate()'s by that copy's
 // shift (PlannerTest measures the loss against brute force); without them the search is
 // exact as below.
+// Since that timing is no bound of evaluate()'s either way (the deferred copy may delay
+// the next layer's offload in the search and not in evaluate()), solve() then takes its
+// lower bounds from the relaxations without the D2H backlog only (rest_bound()'s root,
+// relaxed_bound()) and calls a plan optimal only where evaluate() finds it at such a
+// bound; other plans are polished (below).
 //
 // Held bytes (OptionCost::held_bytes: saved storages the caller holds until the step
 // ends): the backward sample point of Lk counts those of the later layers, which the
@@ -148,7 +153,8 @@
 // Depth d >= 2: the memory constraints are exact (the d classes), the time minimised is
 // the depth-1 time of the assignment, an upper bound of its depth-d time (a reload issued
 // earlier never finishes later: the schedule is a max-plus system, monotone in its issue
-// times); the prediction returned is evaluate()'s at depth d.
+// times); the prediction returned is evaluate()'s at depth d. The plan is never called
+// optimal there (stats.exact false) and is polished at depth d.
 //
 // With time_tolerance > 0 a label is also dropped when another is within
 // eps = tolerance x (least possible step time) / layers of dominating it; each layer's

@@ -257,8 +257,10 @@ TEST(PlannerTest, HostPricedBoundHoldsAgainstBruteForce) {
 }
 
 TEST(PlannerTest, DeeperPrefetchIsExactInMemoryAndBoundedInTime) {
-  // Depth 2 and 3: the memory constraints are exact and the time minimised is the
-  // depth-1 time (an upper bound of the depth-d time of the same plan, Planner.h).
+  // Depth 2 and 3: the memory constraints are exact and the time the searches minimise is
+  // the depth-1 time (an upper bound of the depth-d time of the same plan, Planner.h);
+  // polish() then improves the plan's depth-d time, so it is never slower at depth d than
+  // the depth-1 optimum, and it is not called optimal.
   int checked = 0;
   for (int depth : {2, 3}) {
     for (uint32_t seed = 1; seed <= 3; ++seed) {
@@ -276,7 +278,12 @@ TEST(PlannerTest, DeeperPrefetchIsExactInMemoryAndBoundedInTime) {
         if (!want.found) continue;
         ++checked;
         EXPECT_LE(got.prediction.peak_bytes, budget);
-        EXPECT_NEAR(objective_of(got, &one), want.time, 1e-12 * want.time);
+        const Prediction at_depth = evaluate(p, want.assignment);
+        EXPECT_LE(objective_of(got),
+                  (at_depth.step_seconds +
+                   kTrafficSecondsPerByte * static_cast<double>(at_depth.offload_bytes)) *
+                      (1 + 1e-12));
+        EXPECT_FALSE(got.stats.exact);
         // The prediction is the depth-d one, never slower than the depth-1 time.
         EXPECT_LE(got.prediction.step_seconds, evaluate(one, got.assignment).step_seconds);
       }

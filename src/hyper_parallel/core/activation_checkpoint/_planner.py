@@ -70,9 +70,12 @@ class ActivationPlan:
             bytes than planned, measured 7.0 MiB for a 5.4 MiB budget at offload = 2x
             forward in bench_planner.py.)
         host_budget_bytes: the host budget it was planned for (``None``: unbounded).
-        exact: whether the optimizer's exact search found it (``False``: its fronts grew
-            too large, copies saturating the link over many layers, and the heuristic
-            fallback of ``Planner.h`` did; the plan still meets the budgets).
+        exact: whether the optimizer proved it the fastest plan of the cost model within
+            the budgets (``False``: its exact search grew too large, copies saturating the
+            link over many layers, and the heuristic of ``Planner.h`` answered; or the
+            prefetch depth is >= 2, or deferred bytes, which the search times
+            approximately, kept the plan above the bound; the plan still meets the
+            budgets).
         lower_bound_seconds: a proven lower bound of the fastest predicted step within the
             budgets (seconds; for an exact plan its own time, after the fallback the
             optimum of the relaxation of ``Planner.h``), so the plan is at most
@@ -126,8 +129,7 @@ class ActivationPlan:
             + (f" (host budget {_fmt_bytes(self.host_budget_bytes)})"
                if self.host_budget_bytes is not None else "")
             + f"; solved for prefetch depth {self.prefetch_depth}"
-            + ("" if self.exact
-               else f" (heuristic search: the exact one grew too large{bound})"))
+            + ("" if self.exact else f" (not proven optimal{bound})"))
         if self.measured_peak_bytes is not None:
             lines.append(f"measured on the model: peak {_fmt_bytes(self.measured_peak_bytes)}"
                          + (f", step {self.measured_step_seconds * 1e3:.1f} ms"
