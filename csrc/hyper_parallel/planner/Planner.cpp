@@ -66,6 +66,20 @@ double reload_stall(const StepProfile& p, int64_t prev_off, const OptionCost& c)
              : 0.0;
 }
 
+// The backward relaxations (rest_bound(), add_linear_bound()) index kept bytes before a
+// layer by bins of bin_bytes (rounded down); option `c` of layer k fits the sample points
+// of search() that involve it (the end of its forward, the start of its backward with the
+// previous layer's `prev_off` bytes reloaded and `after` held bytes, and for the last
+// layer the end of the forward) exactly in the bins i < the count returned (at most
+// `bins`). The first point is implied by the second (prev_off, after >= 0).
+size_t fitting_bins(const StepProfile& p, const OptionCost& c, int64_t prev_off, int64_t after,
+                    bool last, int64_t budget, int64_t bin_bytes, size_t bins) {
+  int64_t room = budget - p.base_bytes - c.kept_bytes - c.group_bytes() - prev_off - after;
+  if (last) room = std::min(room, budget - p.base_bytes - c.kept_bytes - p.tail_bytes);
+  if (room < 0) return 0;
+  return std::min(bins, static_cast<size_t>(room / bin_bytes) + 1);
+}
+
 // Sorts labels by (phase, code when `by_code`, kept, time, backlog, host, then their
 // order of creation), the order prune() sweeps. Without codes the first two fit one
 // 64-bit key (phase in the top bits; kept bytes stay below 2^61: a profile adds up to at
@@ -931,18 +945,14 @@ Planner::RestBound Planner::rest_bound(int64_t budget, const std::vector<uint64_
     for (size_t o = 0; o < s; ++o) {
       if (!(allowed[k] >> o & 1)) continue;
       const OptionCost c = p.effective(k, o);
-      const int64_t off = c.group_bytes();
       const double work = relaxed_work(p, c, 0.0);
       const size_t cls = depth_ > 0 ? static_cast<size_t>(class_of_[k][o]) : 0;
       for (size_t pc = 0; pc < prev_classes; ++pc) {
         const int64_t prev_off = depth_ > 0 && k > 0 ? class_bytes_[k - 1][pc] : 0;
         const double t = work + reload_stall(p, prev_off, c);
-        for (size_t i = 0; i < bins; ++i) {
+        const size_t fit = fitting_bins(p, c, prev_off, after[k], last, budget, bin_bytes, bins);
+        for (size_t i = 0; i < fit; ++i) {
           const int64_t kept = static_cast<int64_t>(i) * bin_bytes;
-          const int64_t held = p.base_bytes + kept + c.kept_bytes;
-          // Past these, every larger i fails too.
-          if (held + off > budget || held + off + prev_off + after[k] > budget) break;
-          if (last && held + p.tail_bytes > budget) break;
           const size_t j = static_cast<size_t>((kept + c.kept_bytes) / bin_bytes);
           const double v = t + later[j * radix + cls];
           double& slot = row[i * radix + pc];
@@ -1003,11 +1013,9 @@ void Planner::add_linear_bound(RestBound& out, int64_t budget,
                                                     std::max(0.0, slack);
         const double first_inc = exposed ? -c.forward_seconds - c.backward_seconds
                                          : -c.forward_seconds + std::min(0.0, slack);
-        for (size_t i = 0; i < bins; ++i) {
+        const size_t fit = fitting_bins(p, c, prev_off, after[k], last, budget, bin_bytes, bins);
+        for (size_t i = 0; i < fit; ++i) {
           const int64_t kept = static_cast<int64_t>(i) * bin_bytes;
-          const int64_t held = p.base_bytes + kept + c.kept_bytes;
-          if (held + off > budget || held + off + prev_off + after[k] > budget) break;
-          if (last && held + p.tail_bytes > budget) break;
           const size_t j = static_cast<size_t>((kept + c.kept_bytes) / bin_bytes);
           const double* to = &later[(j * radix + cls) * kPhases];
           double* slot = &row[(i * radix + pc) * kPhases];
