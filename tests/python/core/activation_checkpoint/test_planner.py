@@ -722,6 +722,8 @@ def _random_offloading(n: int, seed: int, ratio: float, depth: int):
     # a larger budget refused where a smaller one was met, with and without a host budget
     (70, 16148, 2.5032554817208754, 0, 389792234, 398673278, -1),
     (30, 8157, 2.601504577825321, 1, 258577900, 289787835, 217479440),
+    # depth 0, 100 layers: refused after 1.7 s at 2 % above the least budget
+    (100, 9, 2.5, 0, 488809732, 497138651, -1),
 ])
 def test_a_budget_above_one_met_is_met(n, seed, ratio, depth, met, above, host):
     # Tester's inputs (session 22): saturated profiles where the exact search outgrew its
