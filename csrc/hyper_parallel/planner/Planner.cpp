@@ -66,6 +66,11 @@ double reload_stall(const StepProfile& p, int64_t prev_off, const OptionCost& c)
              : 0.0;
 }
 
+// The optimizer's objective of a predicted plan: its step time plus the traffic tie-break.
+double objective_of(const Prediction& e) {
+  return e.step_seconds + kTrafficSecondsPerByte * static_cast<double>(e.offload_bytes);
+}
+
 // The backward relaxations (rest_bound(), add_linear_bound()) index kept bytes before a
 // layer by bins of bin_bytes (rounded down); option `c` of layer k fits the sample points
 // of search() that involve it (the end of its forward, the start of its backward with the
@@ -460,15 +465,12 @@ void Planner::polish(PlanResult& r, int64_t budget, const std::vector<uint64_t>&
   // plan was not even locally optimal: on a tester's random 100-layer profile (copies
   // 2.4x a forward) one change at a time took 9.7 % off its step time.
   const size_t n = profile_.num_layers(), s = profile_.num_options();
-  auto objective = [](const Prediction& e) {
-    return e.step_seconds + kTrafficSecondsPerByte * static_cast<double>(e.offload_bytes);
-  };
   auto fits = [&](const Prediction& e) {
     return e.peak_bytes <= budget && (host_budget < 0 || e.host_peak_bytes <= host_budget);
   };
   if (!fits(r.prediction)) return;
   std::vector<int> a = r.assignment;
-  double best = objective(r.prediction);
+  double best = objective_of(r.prediction);
   bool moved = false;
   for (int pass = 0; pass < kPolishPasses; ++pass) {
     bool improved = false;
@@ -478,8 +480,8 @@ void Planner::polish(PlanResult& r, int64_t budget, const std::vector<uint64_t>&
         const int was = a[k];
         a[k] = static_cast<int>(o);
         const Prediction e = evaluate(profile_, a);
-        if (fits(e) && objective(e) < best * (1.0 - 1e-12)) {
-          best = objective(e);
+        if (fits(e) && objective_of(e) < best * (1.0 - 1e-12)) {
+          best = objective_of(e);
           improved = moved = true;
         } else {
           a[k] = was;
@@ -640,14 +642,21 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
       if ((m[k] >> o & 1) && profile_.layers[k][o].deferred_bytes > 0) deferred = true;
     }
   }
+  // The relaxation without D2H backlog in exact bytes (relaxed_bound(); with a host
+  // budget, host_priced_bound()).
+  auto relaxation = [&] {
+    return host_budget < 0 ? relaxed_bound(budget, m) : host_priced_bound(budget, m, host_budget);
+  };
   auto backlog_free_bound = [&] {
-    double low = host_budget < 0 ? relaxed_bound(budget, m) : host_priced_bound(budget, m, host_budget);
+    double low = relaxation();
     if (std::isfinite(root)) low = std::isfinite(low) ? std::max(low, root) : root;
     return low;
   };
-  auto evaluated = [](const PlanResult& x) {
-    return x.prediction.step_seconds +
-           kTrafficSecondsPerByte * static_cast<double>(x.prediction.offload_bytes);
+  // Labels of the searches run for a plan that `into` replaces.
+  auto take_counts = [](PlanResult& into, const PlanResult& from) {
+    into.stats.labels_created = from.stats.labels_created;
+    into.stats.labels_kept = from.stats.labels_kept;
+    into.stats.widest_layer = std::max(into.stats.widest_layer, from.stats.widest_layer);
   };
   auto exact = [&](PlanResult x) {
     x.stats.labels_created += spent_created;
@@ -657,7 +666,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     } else if (!deferred) {
       x.stats.lower_bound = x.stats.objective;
     } else {
-      const double low = backlog_free_bound(), got = evaluated(x);
+      const double low = backlog_free_bound(), got = objective_of(x.prediction);
       x.stats.exact = std::isfinite(low) && got <= low * (1.0 + 1e-12);
       x.stats.lower_bound = std::isfinite(low) ? std::min(low, got)
                                                : std::numeric_limits<double>::quiet_NaN();
@@ -669,17 +678,13 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     return search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels, 0,
                   false, 0, kExactLabelsPerLayer, false, least_held, &cut);
   };
-  double known = kInf;  // the objective of a plan known to fit
-  PlanResult known_plan;  // that plan
+  PlanResult known_plan;  // a plan the first cut-off search found beyond its cut-off
   double proven = root;  // a lower bound of the optimum
   if (!rest.seconds.empty()) {
     const double first = root * (1.0 + kCutoffFirst);
     PlanResult r = cut_search(first);
     if (!r.stats.overflowed && r.feasible && r.stats.objective <= first) return exact(r);
-    if (!r.stats.overflowed && r.feasible) {
-      known = r.stats.objective;
-      known_plan = r;
-    }
+    if (!r.stats.overflowed && r.feasible) known_plan = r;
     // A search that ran to its end without a plan within the cut-off proves none exists
     // (not with bytes rounded up: it may have missed plans that fit).
     if (quantum_ == 1 && !r.stats.overflowed && (!r.feasible || r.stats.objective > first)) {
@@ -704,15 +709,14 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   const int64_t bucket = std::max<int64_t>(1, (budget - profile_.base_bytes) / kFallbackBins);
   PlanResult a = search(budget, host_budget, m, false, quantum_, tolerance_, -1, kFallbackPerBin,
                         false, bucket, 0, false, least_held);
-  if (known_plan.feasible && (!a.feasible || known < a.stats.objective)) {
-    known_plan.stats.labels_created = a.stats.labels_created;
-    known_plan.stats.labels_kept = a.stats.labels_kept;
-    known_plan.stats.widest_layer = std::max(known_plan.stats.widest_layer, a.stats.widest_layer);
+  if (known_plan.feasible &&
+      (!a.feasible || known_plan.stats.objective < a.stats.objective)) {
+    take_counts(known_plan, a);
     a = std::move(known_plan);
   }
-  if (!rest.seconds.empty() && (a.feasible || std::isfinite(known))) {
+  if (!rest.seconds.empty() && a.feasible) {
     // A plan within it fits: the exact search within its objective cannot come back empty.
-    double upper = a.feasible ? std::min(known, a.stats.objective) : known;
+    double upper = a.stats.objective;
     // The capped search again with kWideBins bins and that plan's objective as the
     // cut-off, which drops most labels at birth (the wider bins cost about what the first
     // pass did). When no bin overflowed, it kept every label the exact search keeps: its
@@ -731,12 +735,10 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     }
     a.stats.labels_created += w.stats.labels_created;
     a.stats.labels_kept += w.stats.labels_kept;
-    if (w.feasible && (!a.feasible || w.stats.objective < a.stats.objective)) {
-      w.stats.labels_created = a.stats.labels_created;
-      w.stats.labels_kept = a.stats.labels_kept;
-      w.stats.widest_layer = std::max(w.stats.widest_layer, a.stats.widest_layer);
+    if (w.feasible && w.stats.objective < a.stats.objective) {
+      take_counts(w, a);
       a = std::move(w);
-      upper = std::min(upper, a.stats.objective);
+      upper = a.stats.objective;
     }
     // The exact search within the best plan's objective (given up like the first).
     PlanResult r = cut_search(upper * (1.0 + 1e-12));
@@ -767,10 +769,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     // No bound to judge the heuristic by: the exact search up to the full limit; after the
     // memory-only plan, with its objective as the cut-off and the usual limits (the full
     // limit took 2 s on 100 layers to give up).
-    const double f_objective =
-        f.feasible ? f.prediction.step_seconds +
-                         kTrafficSecondsPerByte * static_cast<double>(f.prediction.offload_bytes)
-                   : kInf;
+    const double f_objective = f.feasible ? objective_of(f.prediction) : kInf;
     PlanResult e = f.feasible && !rest.seconds.empty()
                        ? cut_search(f_objective * (1.0 + 1e-9))
                        : search(budget, host_budget, m, false, quantum_, tolerance_,
@@ -800,7 +799,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   // byte quantum also the relaxation on a byte grid rounded down when its search stays
   // within kMaxExactLabels per layer (its fronts grow with the host dimension: unbounded,
   // it took minutes for 30 layers); the larger bound.
-  double low = host_budget < 0 ? relaxed_bound(budget, m) : host_priced_bound(budget, m, host_budget);
+  double low = relaxation();
   if (host_budget >= 0 || quantum_ > 1) {
     const int64_t q = std::max<int64_t>(quantum_, (budget - profile_.base_bytes) / 512);
     const PlanResult l = search(budget, host_budget, m, false, q, 0.0, kMaxExactLabels, 0, true);
@@ -811,7 +810,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   // (With deferred bytes the search's own bounds are not evaluate()'s: the root only.)
   if (deferred) proven = root;
   if (std::isfinite(proven)) low = std::isfinite(low) ? std::max(low, proven) : proven;
-  const double got = deferred ? evaluated(a) : a.stats.objective;
+  const double got = deferred ? objective_of(a.prediction) : a.stats.objective;
   if (std::isfinite(low)) a.stats.lower_bound = std::min(low, got);
   // The relaxation's optimum is the plan's: the plan is optimal (the bound proves it).
   if (got <= low * (1.0 + 1e-12)) a.stats.exact = true;
