@@ -148,6 +148,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
   sort_labels(labels, by_code);
   struct Front {
     int64_t kept, host, held;  // held: kept + pending (the next forward sample point's)
+    int64_t pending;           // its deferred copy joins the next release point's queue
     double time, backlog;
     int16_t option;
   };
@@ -246,7 +247,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
                                  ? f.backlog - l.backlog
                                  : std::max(0.0, f.backlog - l.backlog);
         dominated = f.host <= l.host && f.held + run_charge(f.option, l.option) <= l_held &&
-                    f.time + extra <= l.time + eps;
+                    f.pending <= l.pending && f.time + extra <= l.time + eps;
       }
       if (dominated) break;
     }
@@ -267,7 +268,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
                                            : std::max(0.0, l.backlog - f.backlog);
                                    return l.host <= f.host &&
                                           l_held + run_charge(l.option, f.option) <= f.held &&
-                                          l.time + extra <= f.time;
+                                          l.pending <= f.pending && l.time + extra <= f.time;
                                  }),
                   front.end());
     }
@@ -285,7 +286,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
       st.insert(at, Step{l.host, l.time});
       continue;
     }
-    fronts[cls].push_back(Front{l.kept, l.host, l_held, l.time, l.backlog, l.option});
+    fronts[cls].push_back(Front{l.kept, l.host, l_held, l.pending, l.time, l.backlog, l.option});
     most_pending[cls] = std::max(most_pending[cls], l.pending);
     least_time[cls] = std::min(least_time[cls], l.time);
     if (l.backlog >= linear) {
@@ -320,8 +321,7 @@ bool prune_capped(std::vector<Label>& labels, double linear, int64_t bucket, int
     return code_bytes == nullptr ? 0 : (*code_bytes)[l.code];
   };
   auto dominates = [&](const Label& a, const Label& b) {
-    if (a.kept > b.kept || a.host > b.host || off_of(a) > off_of(b) ||
-        a.kept + a.pending > b.kept + b.pending) {
+    if (a.kept > b.kept || a.host > b.host || off_of(a) > off_of(b) || a.pending > b.pending) {
       return false;
     }
     if (code_bytes == nullptr && a.code != b.code) return false;
@@ -630,27 +630,10 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   }
   const double root = rest.root;
   int64_t spent_created = 0, spent_kept = 0;  // labels of the searches given up
-  // Deferred bytes (Planner.h): the search times a layer's deferred copy at the layer's
-  // own release point, evaluate() one release point later behind the next layer's offload,
-  // so the search's objective is no bound of evaluate()'s either way (a tester's 4-layer
-  // profile: a plan called optimal 1.6 % slower than the optimum, bounds up to 2.5 % above
-  // it). Only the relaxations without the D2H backlog then bound the optimum, and a plan
-  // is optimal where evaluate() finds it at that bound.
-  bool deferred = false;
-  for (size_t k = 0; k + 1 < profile_.num_layers(); ++k) {
-    for (size_t o = 0; o < profile_.num_options(); ++o) {
-      if ((m[k] >> o & 1) && profile_.layers[k][o].deferred_bytes > 0) deferred = true;
-    }
-  }
   // The relaxation without D2H backlog in exact bytes (relaxed_bound(); with a host
   // budget, host_priced_bound()).
   auto relaxation = [&] {
     return host_budget < 0 ? relaxed_bound(budget, m) : host_priced_bound(budget, m, host_budget);
-  };
-  auto backlog_free_bound = [&] {
-    double low = relaxation();
-    if (std::isfinite(root)) low = std::isfinite(low) ? std::max(low, root) : root;
-    return low;
   };
   // Labels of the searches run for a plan that `into` replaces.
   auto take_counts = [](PlanResult& into, const PlanResult& from) {
@@ -661,16 +644,9 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   auto exact = [&](PlanResult x) {
     x.stats.labels_created += spent_created;
     x.stats.labels_kept += spent_kept;
-    if (!(bounded && quantum_ == 1 && x.feasible)) {
-      x.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
-    } else if (!deferred) {
-      x.stats.lower_bound = x.stats.objective;
-    } else {
-      const double low = backlog_free_bound(), got = objective_of(x.prediction);
-      x.stats.exact = std::isfinite(low) && got <= low * (1.0 + 1e-12);
-      x.stats.lower_bound = std::isfinite(low) ? std::min(low, got)
-                                               : std::numeric_limits<double>::quiet_NaN();
-    }
+    x.stats.lower_bound = bounded && quantum_ == 1 && x.feasible
+                              ? x.stats.objective
+                              : std::numeric_limits<double>::quiet_NaN();
     return x;
   };
   auto cut_search = [&](double seconds) {
@@ -807,10 +783,8 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     a.stats.labels_kept += l.stats.labels_kept;
     if (l.feasible && !l.stats.overflowed) low = std::max(low, l.stats.objective);
   }
-  // (With deferred bytes the search's own bounds are not evaluate()'s: the root only.)
-  if (deferred) proven = root;
   if (std::isfinite(proven)) low = std::isfinite(low) ? std::max(low, proven) : proven;
-  const double got = deferred ? objective_of(a.prediction) : a.stats.objective;
+  const double got = a.stats.objective;
   if (std::isfinite(low)) a.stats.lower_bound = std::min(low, got);
   // The relaxation's optimum is the plan's: the plan is optimal (the bound proves it).
   if (got <= low * (1.0 + 1e-12)) a.stats.exact = true;
@@ -1015,7 +989,9 @@ void Planner::add_linear_bound(RestBound& out, int64_t budget,
       const OptionCost c = p.effective(k, o);
       const int64_t off = c.group_bytes();
       const double work = relaxed_work(p, c, 0.0);
-      const double copy = p.d2h.seconds(off);
+      // Its own offload only: deferred copies may be partly hidden (search()), so they
+      // are left out of the increments, a lower bound still.
+      const double copy = p.d2h.seconds(c.offload_bytes);
       const size_t cls = depth_ > 0 ? static_cast<size_t>(class_of_[k][o]) : 0;
       for (size_t pc = 0; pc < prev_classes; ++pc) {
         const int64_t prev_off = depth_ > 0 && k > 0 ? class_bytes_[k - 1][pc] : 0;
@@ -1203,21 +1179,32 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
   // tail, the backwards above the last offload + 1), whichever layer m >= k offloads last.
   std::vector<double> irrelevant(n + 1, 0.0);
   {
-    std::vector<double> net(n, 0.0);  // least forward - copy per layer
+    // The most a layer's deferred bytes add to the queue at the next release point.
+    std::vector<double> most_deferred(n + 1, 0.0);
+    for (size_t j = 0; j < n; ++j) {
+      for (size_t o = 0; o < s; ++o) {
+        if (allowed[j] >> o & 1) {
+          most_deferred[j] =
+              std::max(most_deferred[j], p.d2h.seconds(p.effective(j, o).deferred_bytes));
+        }
+      }
+    }
+    // Least forward less the copies queued at its release point, per layer.
+    std::vector<double> net(n, 0.0);
     for (size_t j = 0; j < n; ++j) {
       double v = kInf;
       for (size_t o = 0; o < s; ++o) {
         if (!(allowed[j] >> o & 1)) continue;
         const OptionCost c = p.effective(j, o);
-        v = std::min(v, c.forward_seconds - p.d2h.seconds(c.group_bytes()));
+        v = std::min(v, c.forward_seconds - p.d2h.seconds(c.offload_bytes));
       }
-      net[j] = v;
+      net[j] = v - (j > 0 ? most_deferred[j - 1] : 0.0);
     }
     for (size_t k = 0; k + 1 < n; ++k) {
       double best = kInf, along = 0.0;
       for (size_t m = k; m + 1 < n; ++m) {
         if (m > k) along += net[m];
-        best = std::min(best, along + min_fwd[m + 1] + rest[m + 2]);
+        best = std::min(best, along + min_fwd[m + 1] - most_deferred[m] + rest[m + 2]);
       }
       irrelevant[k] = best;
     }
@@ -1255,6 +1242,8 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
           k > 0 && base.option >= 0
               ? p.layers[k - 1][static_cast<size_t>(base.option)].deferred_bytes
               : 0;
+      // Their copy queues at Lk's release point, behind Lk's own offload (Planner.h).
+      const double pending_copy = p.d2h.seconds(pending);
       for (size_t o = 0; o < s; ++o) {
         if (!(allowed[k] >> o & 1)) continue;
         const OptionCost& c = cost[o];
@@ -1316,10 +1305,25 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
           // A reload other than the first of the backward: only its own window counts.
           if (exposed) l.time += p.h2d.seconds(off);
           else if (prev_off > 0) l.time += std::max(0.0, prev_h2d - c.backward_seconds);
-          l.backlog = std::max(0.0, base.backlog - c.forward_seconds) + p.d2h.seconds(off);
+          // Lk's own offload, then the previous layer's deferred bytes (two copies).
+          l.backlog = std::max(0.0, base.backlog - c.forward_seconds) +
+                      p.d2h.seconds(c.offload_bytes) + pending_copy;
           if (offloads) {
             add(l, kMoreToCome);
-            add(l, kLastChosen);
+            if (c.deferred_bytes == 0 && pending_copy > 0) {
+              // Lk offloads last and defers nothing: its reload waits for its own copy
+              // only, and the previous layer's deferred copy, last in the queue, delays
+              // only that layer's reload, which runs after Lk's reload and (depth 1) Lk's
+              // backward beyond it: up to that much of the copy is hidden (Planner.h).
+              const double hidden =
+                  p.h2d.seconds(off) + (exposed ? c.backward_seconds
+                                                : std::max(0.0, c.backward_seconds - prev_h2d));
+              Label first = l;
+              first.backlog = std::max(0.0, l.backlog - std::min(pending_copy, hidden));
+              add(first, kLastChosen);
+            } else {
+              add(l, kLastChosen);
+            }
           } else {
             add(l, base.phase);
           }
@@ -1327,14 +1331,18 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
           continue;  // the last offload was already chosen
         } else if (base.phase == kLastChosen) {
           // The first reload of the backward: it waits for the D2H backlog left after
-          // the forwards, tail and backwards that run before it is needed.
+          // the forwards, tail and backwards that run before it is needed; the last
+          // offloading layer's deferred bytes join the queue at this release point.
+          const double queue = pending_copy > 0
+                                   ? std::max(0.0, base.backlog - c.forward_seconds) + pending_copy
+                                   : base.backlog - c.forward_seconds;
           if (exposed) {
-            l.backlog = std::max(0.0, base.backlog - c.forward_seconds - c.backward_seconds);
+            l.backlog = std::max(0.0, queue - c.backward_seconds);
           } else {
             const double slack = prev_h2d - c.backward_seconds;
             const double now = std::max(0.0, slack);
             l.time += now;
-            l.backlog = std::max(0.0, base.backlog - c.forward_seconds + slack - now);
+            l.backlog = std::max(0.0, queue + slack - now);
           }
           add(l, kDraining);
         } else {  // kDraining

@@ -24,8 +24,9 @@
 //
 // Pruning (exact): among labels of the same phase (and, at depth >= 2, the same
 // classes), label A dominates B when
-//   kept_A <= kept_B, host_A <= host_B, (depth 1) the offload bytes of A's last layer
-//   <= B's, and objective_A + max(0, backlog_A - backlog_B) <= objective_B.
+//   kept_A <= kept_B, host_A <= host_B, pending_A <= pending_B (deferred bytes, below),
+//   (depth 1) the offload bytes of A's last layer <= B's, and
+//   objective_A + max(0, backlog_A - backlog_B) <= objective_B.
 // This is sound because every constraint of the later layers is monotone in the kept and
 // host bytes, the two terms that read the last layer's offload class (the next layer's
 // backward sample point and its reload stall) are non-decreasing in its bytes, and the
@@ -57,22 +58,24 @@
 // and the capped searches answer in 80-150 ms (below).
 //
 // Deferred bytes (OptionCost::deferred_bytes, a layer input its caller still holds at the
-// layer's release point; they leave at the next layer's release point): their bytes are
-// exact (the next layer's forward sample point counts them, the label carrying its last
-// layer's deferred bytes, and dominance asks kept + deferred to be no larger too: the
-// only point they read), their time is not: a layer's group bytes
-// (offload + deferred) are its offload class and are timed as if they all left at its own
-// release point, while the deferred copy really queues one release point later, behind
-// the next layer's own offload. So with deferred bytes the plan meets its budgets and is
-// the fastest by the search's timing, which can differ from evaluate()'s by that copy's
-// shift (PlannerTest measures the loss against brute force); without them the search is
-// exact as below.
-// Since that timing is no bound of evaluate()'s either way (the deferred copy may delay
-// the next layer's offload in the search and not in evaluate()), solve() then takes its
-// lower bounds from the relaxations without the D2H backlog only (rest_bound()'s root,
-// relaxed_bound()) and calls a plan optimal only where evaluate() finds it at such a
-// bound; other plans are polished (below).
-//
+// layer's release point; they leave at the next layer's release point): bytes and time are
+// exact. The next layer's forward sample point counts them (the label carries its last
+// layer's deferred bytes, `pending`). Their copy joins the D2H queue at the next release
+// point, behind that layer's own offload, as a copy of its own (its own latency), and its
+// layer's reload waits for it. So the reloads that can wait for a D2H copy are the first
+// (of the last offloading layer m) and, when m defers nothing, the second (of m-1, whose
+// deferred copy ends the queue). Working the schedule through (depth 1, times after the
+// gradient of m+1 arrives, D: when the whole queue ends, B: m-1's deferred copy, H: reload
+// times, b: backward times), L(m-1)'s backward begins at
+//   max(max(b(m+1), H(m)) + M, D + max(H(m) + M - B, H(m-1))),  M = max(b(m), H(m-1)),
+// which is the formula without deferred bytes with D less B' = min(B, H(m) +
+// max(0, b(m) - H(m-1))) (depth 0: B' = min(B, H(m) + b(m))): the label choosing m as the
+// last offload carries its backlog less B', and the rest of the search is unchanged; a
+// deferred copy of m itself queues after everything (it is added at m+1's release point)
+// and m-1's reload then cannot wait. Dominance also asks pending_A <= pending_B (the next
+// queue is non-decreasing in it). PlannerTest checks the search's objective against
+// evaluate()'s on 4 800 pinned assignments and its optima against brute force.
+
 // Held bytes (OptionCost::held_bytes: saved storages the caller holds until the step
 // ends): the backward sample point of Lk counts those of the later layers, which the
 // forward search has not chosen yet; it charges each later layer the most held bytes of
