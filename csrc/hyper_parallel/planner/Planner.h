@@ -193,7 +193,8 @@ struct SearchStats {
   int64_t labels_created = 0;  // labels offered to the fronts, all layers
   int64_t labels_kept = 0;     // labels that survived pruning, all layers
   int64_t widest_layer = 0;    // most labels kept after one layer
-  bool exact = true;           // false: found by the fallback search (see solve())
+  bool exact = true;           // solve(): the plan is proven optimal for the cost model;
+                               // never at depth >= 2, with a time tolerance or a byte quantum
   bool overflowed = false;     // internal: the search stopped at its label limit
   bool truncated = false;      // internal: the capped search dropped an undominated label
   double objective = 0.0;      // the search's objective of the plan found (seconds)

@@ -1039,6 +1039,33 @@ TEST(PlannerTest, WholeMiBLayersAreBoundedWithoutRoundingLoss) {
   }
 }
 
+TEST(PlannerTest, WithATimeToleranceOrAByteQuantumNoPlanIsCalledOptimal) {
+  // Tester's inputs (session 23): a time tolerance of 0.5 returned {0, 1} (6.4 s) marked
+  // exact where {0, 0} takes 6.1 s; a byte quantum of 3 returned {1, 0} (8.4 s) marked
+  // exact where {0, 0} (peak 10 = the budget, 4.0 s) was missed by the rounding.
+  StepProfile p;
+  p.options = {"o0", "o1"};
+  p.layers = {{OptionCost{0, 0, 1.0, 1.0}, OptionCost{0, 0, 1.0, 1.0}},
+              {OptionCost{10, 0, 1.0, 3.1}, OptionCost{0, 0, 1.0, 3.4}}};
+  const PlanResult loose = Planner(p, 1, 0.5).solve(10);
+  ASSERT_TRUE(loose.feasible);
+  EXPECT_FALSE(loose.stats.exact);
+  EXPECT_TRUE(std::isnan(loose.stats.lower_bound));
+  EXPECT_TRUE(Planner(p).solve(10).stats.exact);
+  StepProfile q;
+  q.options = {"o0", "o1"};
+  q.layers = {{OptionCost{10, 0, 1.0, 1.0}, OptionCost{0, 0, 1.0, 5.4}},
+              {OptionCost{0, 0, 1.0, 1.0}, OptionCost{0, 0, 1.0, 1.0}}};
+  q.d2h = q.h2d = CopyLink{0.0, 0.007};
+  const PlanResult rounded = Planner(q, 3).solve(10);
+  ASSERT_TRUE(rounded.feasible);
+  EXPECT_LE(rounded.prediction.peak_bytes, 10);
+  EXPECT_FALSE(rounded.stats.exact);
+  const PlanResult exact = Planner(q).solve(10);
+  EXPECT_TRUE(exact.stats.exact);
+  EXPECT_EQ(exact.assignment, (std::vector<int>{0, 0}));
+}
+
 TEST(PlannerTest, WithAByteQuantumTheBoundStillHoldsBelowTheOptimum) {
   // Bytes rounded up to a quantum make the searches pessimistic (their plans fit, but
   // they may miss plans that fit in exact bytes), so only relaxations may bound the loss.
