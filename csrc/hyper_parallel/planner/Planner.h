@@ -271,7 +271,11 @@ class Planner {
                    int64_t host_budget_bytes = -1) const;
   // The smallest budget for which solve() finds a plan (exact: a binary search over bytes
   // of a memory-only search), with the fastest plan at it; feasible = false when even an
-  // unbounded device budget cannot meet the host budget.
+  // unbounded device budget cannot meet the host budget. Where options hold unlike held
+  // bytes, or charge shared bytes, solve()'s feasibility is not monotone in the budget
+  // (the searches bound those charges from above or below): the budget returned is met,
+  // but a smaller one may be too (a tester's 3-layer profile: 1900 B returned, 1010 B met
+  // by solve() and the least peak), and a few budgets above a met one may be refused.
   PlanResult min_peak(const std::vector<uint64_t>& allowed = {},
                       int64_t host_budget_bytes = -1) const;
 
