@@ -20,6 +20,8 @@ enum Phase : int8_t {
   kDraining = 3,     // after that layer's successor: the backlog drains
 };
 
+constexpr int64_t kNoSlack = std::numeric_limits<int64_t>::max() / 4;
+
 struct Label {
   int64_t kept;    // kept bytes of the layers so far (rounded up to the quantum)
   int64_t host;    // offload bytes so far (rounded up to the quantum)
@@ -32,6 +34,10 @@ struct Label {
   // Deferred bytes of the layer just decided: on the device until the next layer's release
   // point, so they read only in its forward sample point (kept + pending + its bytes).
   int64_t pending = 0;
+  // Where options hold unlike held bytes (search()): the least room left at the backward
+  // sample points of the layers so far for the held bytes of the layers after them; the
+  // same constant (kNoSlack) in every label otherwise.
+  int64_t slack = kNoSlack;
 };
 
 struct Back {
@@ -48,6 +54,11 @@ int64_t round_up(int64_t bytes, int64_t quantum) {
 int64_t round_down(int64_t bytes, int64_t quantum) {
   return quantum <= 1 ? bytes : bytes / quantum * quantum;
 }
+
+// The bytes of option `c` (effective) that stay on the device past its backward because
+// the caller holds them: evaluate() counts at most what the layer did not send, which at
+// offload window 0 is its kept bytes (its offload and deferred bytes always leave).
+int64_t held_of(const OptionCost& c) { return std::min(c.held_bytes, c.kept_bytes); }
 
 // The relaxation's seconds of option `c` (relaxed_bound(), rest_bound(): no D2H backlog):
 // its forward and backward, the traffic term plus `host_price` per offloaded byte, and at
@@ -171,6 +182,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
   struct Front {
     int64_t kept, host, held;  // held: kept + pending (the next forward sample point's)
     int64_t pending;           // its deferred copy joins the next release point's queue
+    int64_t slack;             // Label::slack
     double time, backlog;
     int16_t option;
   };
@@ -269,7 +281,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
                                  ? f.backlog - l.backlog
                                  : std::max(0.0, f.backlog - l.backlog);
         dominated = f.host <= l.host && f.held + run_charge(f.option, l.option) <= l_held &&
-                    f.pending <= l.pending && f.time + extra <= l.time + eps;
+                    f.pending <= l.pending && f.slack >= l.slack && f.time + extra <= l.time + eps;
       }
       if (dominated) break;
     }
@@ -290,13 +302,14 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
                                            : std::max(0.0, l.backlog - f.backlog);
                                    return l.host <= f.host &&
                                           l_held + run_charge(l.option, f.option) <= f.held &&
-                                          l.pending <= f.pending && l.time + extra <= f.time;
+                                          l.pending <= f.pending && l.slack >= f.slack &&
+                                          l.time + extra <= f.time;
                                  }),
                   front.end());
     }
     ++same_kept;
     labels[out++] = l;
-    if (use_stairs && l.backlog == 0.0 && l.pending == 0) {
+    if (use_stairs && l.backlog == 0.0 && l.pending == 0 && l.slack == kNoSlack) {
       // No entry of no more host bytes is as fast (l would be dominated): those after l's
       // place that are no faster leave, and l goes in.
       std::vector<Step>& st = stairs[cls];
@@ -308,7 +321,8 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
       st.insert(at, Step{l.host, l.time});
       continue;
     }
-    fronts[cls].push_back(Front{l.kept, l.host, l_held, l.pending, l.time, l.backlog, l.option});
+    fronts[cls].push_back(
+        Front{l.kept, l.host, l_held, l.pending, l.slack, l.time, l.backlog, l.option});
     most_pending[cls] = std::max(most_pending[cls], l.pending);
     least_time[cls] = std::min(least_time[cls], l.time);
     if (l.backlog >= linear) {
@@ -343,7 +357,8 @@ bool prune_capped(std::vector<Label>& labels, double linear, int64_t bucket, int
     return code_bytes == nullptr ? 0 : (*code_bytes)[l.code];
   };
   auto dominates = [&](const Label& a, const Label& b) {
-    if (a.kept > b.kept || a.host > b.host || off_of(a) > off_of(b) || a.pending > b.pending) {
+    if (a.kept > b.kept || a.host > b.host || off_of(a) > off_of(b) || a.pending > b.pending ||
+        a.slack < b.slack) {
       return false;
     }
     if (code_bytes == nullptr && a.code != b.code) return false;
@@ -459,9 +474,7 @@ bool Planner::uneven_held(const std::vector<uint64_t>& m) const {
     int64_t seen = -1;
     for (size_t o = 0; o < profile_.num_options(); ++o) {
       if (!(m[k] >> o & 1)) continue;
-      const OptionCost c = profile_.effective(k, o);
-      const int64_t h = std::min(c.held_bytes, c.kept_bytes + c.deferred_bytes);
-      if (c.deferred_bytes > 0 && c.held_bytes > c.kept_bytes) return true;  // may differ
+      const int64_t h = held_of(profile_.effective(k, o));
       if (seen >= 0 && h != seen) return true;
       seen = h;
     }
@@ -528,55 +541,17 @@ void Planner::polish(PlanResult& r, int64_t budget, const std::vector<uint64_t>&
 
 PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>& allowed,
                                      int64_t host_budget) const {
-  // Held bytes (Planner.h): where the options of a layer hold unlike bytes, the search
-  // charging each later layer the least is a relaxation; its plan, when evaluate() finds
-  // it within the budget, is the optimum. Otherwise the search charging the most (every
-  // plan found fits).
-  const std::vector<uint64_t> m = masks(allowed);
-  if (!uneven_held(m)) return solve_charged(budget, allowed, host_budget, false);
-  PlanResult least = solve_charged(budget, allowed, host_budget, true);
-  if (!least.feasible || least.prediction.peak_bytes <= budget) return least;
-  PlanResult most = solve_charged(budget, allowed, host_budget, false);
-  const double bound = least.stats.lower_bound;  // the relaxation's optimum (NaN: none)
-  most.stats.exact = false;
-  most.stats.lower_bound = std::isfinite(bound) && most.feasible
-                               ? std::min(bound, most.stats.objective)
-                               : std::numeric_limits<double>::quiet_NaN();
-  if (most.feasible) return most;
-  // Charging the most, nothing fits; a plan may still (the most is an upper bound). The
-  // relaxation again under budgets lowered by its plan's excess, each plan checked by
-  // evaluate(): otherwise a budget could be called infeasible while a smaller one, where
-  // the relaxation's plan happens to fit, is met (feasibility not monotone in the budget).
-  PlanResult cur = std::move(least);
-  int64_t target = budget;
-  for (int i = 0; i < kHeldRetries && cur.feasible && cur.prediction.peak_bytes > budget; ++i) {
-    target -= std::max<int64_t>(cur.prediction.peak_bytes - budget, quantum_);
-    if (target < profile_.base_bytes) break;
-    cur = solve_charged(target, allowed, host_budget, true);
-  }
-  if (!cur.feasible || cur.prediction.peak_bytes > budget) return most;
-  cur.stats.exact = false;
-  cur.stats.lower_bound = std::isfinite(bound) ? std::min(bound, cur.stats.objective)
-                                               : std::numeric_limits<double>::quiet_NaN();
-  return cur;
-}
-
-PlanResult Planner::solve_charged(int64_t budget, const std::vector<uint64_t>& allowed,
-                                  int64_t host_budget, bool least_held) const {
   // The search leaves the shared charge out (Planner.h); evaluate() counts it. A plan over
   // the budget is searched again under the budget less the most any plan can be charged
   // (every plan found fits), and, unless the uncharged search's bound proves that plan
   // optimal, charging every run's first layer (every plan found fits too); the faster.
-  PlanResult r = solve_uncharged(budget, allowed, host_budget, least_held);
-  // (With the least held bytes a plan may be over the budget for that reason alone: it
-  // goes through the searches below, and solve() checks what comes back.)
+  PlanResult r = solve_uncharged(budget, allowed, host_budget);
   if (!r.feasible || r.prediction.peak_bytes <= budget) return r;
   // The uncharged search is a relaxation of the charged problem (its feasible set is a
   // superset): a lower bound of its own optimum bounds the charged optimum too.
   const double bound = r.stats.lower_bound;
   const std::vector<uint64_t> m = masks(allowed);
-  PlanResult lowered = solve_uncharged(budget - max_shared_charge(m), allowed, host_budget,
-                                       least_held);
+  PlanResult lowered = solve_uncharged(budget - max_shared_charge(m), allowed, host_budget);
   const bool lowered_ok = lowered.feasible && lowered.prediction.peak_bytes <= budget;
   lowered.stats.exact = false;
   lowered.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
@@ -598,17 +573,17 @@ PlanResult Planner::solve_charged(int64_t budget, const std::vector<uint64_t>& a
     const RestBound rest = rest_bound(budget, m);
     const Cutoff cut{&rest, lowered.stats.objective * (1.0 + 1e-12)};
     runs = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels, 0, false,
-                  0, kExactLabelsPerLayer, true, least_held, &cut);
+                  0, kExactLabelsPerLayer, true, &cut);
     searched = !runs.stats.overflowed;  // (no plan found: none faster than the lowered one)
   }
   if (!searched) {
     runs = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels, 0, false,
-                  0, kExactLabelsPerLayer, true, least_held);
+                  0, kExactLabelsPerLayer, true);
   }
   if (runs.stats.overflowed) {
     const int64_t bucket = std::max<int64_t>(1, (budget - profile_.base_bytes) / kFallbackBins);
     runs = search(budget, host_budget, m, false, quantum_, tolerance_, -1, kFallbackPerBin, false,
-                  bucket, 0, true, least_held);
+                  bucket, 0, true);
   }
   runs.stats.exact = false;
   runs.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
@@ -621,19 +596,11 @@ PlanResult Planner::solve_charged(int64_t budget, const std::vector<uint64_t>& a
     return bounded(std::move(runs));
   }
   if (lowered_ok) return bounded(std::move(lowered));
-  if (least_held) {
-    // Over the budget by held bytes the relaxation did not charge: the plan of the smaller
-    // peak, which solve() checks and searches below.
-    const bool take_runs = runs.feasible && (!lowered.feasible ||
-                                             runs.prediction.peak_bytes <= lowered.prediction.peak_bytes);
-    if (take_runs) return runs;
-    if (lowered.feasible) return lowered;
-  }
-  return PlanResult{};  // without least_held, cannot happen: both searches' plans fit
+  return PlanResult{};  // cannot happen: both searches' plans fit
 }
 
 PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>& allowed,
-                                    int64_t host_budget, bool least_held) const {
+                                    int64_t host_budget) const {
   const std::vector<uint64_t> m = masks(allowed);
   // The time found is the optimum (a lower bound of itself) only where the search is
   // exact: depth <= 1, no tolerance, no byte rounding.
@@ -678,7 +645,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   auto cut_search = [&](double seconds) {
     const Cutoff cut{&rest, seconds};
     return search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels, 0,
-                  false, 0, kExactLabelsPerLayer, false, least_held, &cut);
+                  false, 0, kExactLabelsPerLayer, false, &cut);
   };
   PlanResult known_plan;  // a plan the first cut-off search found beyond its cut-off
   double proven = root;  // a lower bound of the optimum
@@ -696,7 +663,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     spent_kept += r.stats.labels_kept;
   } else {
     PlanResult r = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels, 0,
-                          false, 0, kExactLabelsPerLayer, false, least_held);
+                          false, 0, kExactLabelsPerLayer, false);
     if (!r.stats.overflowed) return exact(r);
     spent_created += r.stats.labels_created;
     spent_kept += r.stats.labels_kept;
@@ -710,7 +677,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   // the fastest undominated few per bin and phase.
   const int64_t bucket = std::max<int64_t>(1, (budget - profile_.base_bytes) / kFallbackBins);
   PlanResult a = search(budget, host_budget, m, false, quantum_, tolerance_, -1, kFallbackPerBin,
-                        false, bucket, 0, false, least_held);
+                        false, bucket, 0, false);
   if (known_plan.feasible &&
       (!a.feasible || known_plan.stats.objective < a.stats.objective)) {
     take_counts(known_plan, a);
@@ -729,7 +696,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     PlanResult w = search(budget, host_budget, m, false, quantum_, tolerance_, -1,
                           kFallbackPerBin, false,
                           std::max<int64_t>(1, (budget - profile_.base_bytes) / kWideBins), 0,
-                          false, least_held, &wide_cut);
+                          false, &wide_cut);
     if (w.feasible && !w.stats.truncated) {
       w.stats.labels_created += a.stats.labels_created;
       w.stats.labels_kept += a.stats.labels_kept;
@@ -762,8 +729,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     // milliseconds; the exact search below spent 2 s on 100 layers to find none).
     PlanResult f;
     if (!a.feasible) {
-      f = search(budget, host_budget, m, true, quantum_, 0.0, -1, 0, false, 0, 0, false,
-                 least_held);
+      f = search(budget, host_budget, m, true, quantum_, 0.0, -1, 0, false, 0, 0, false);
       a.stats.labels_created += f.stats.labels_created;
       a.stats.labels_kept += f.stats.labels_kept;
       if (!f.feasible) return a;
@@ -775,7 +741,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     PlanResult e = f.feasible && !rest.seconds.empty()
                        ? cut_search(f_objective * (1.0 + 1e-9))
                        : search(budget, host_budget, m, false, quantum_, tolerance_,
-                                kMaxExactLabels, 0, false, 0, 0, false, least_held);
+                                kMaxExactLabels, 0, false, 0, 0, false);
     if (!e.stats.overflowed && e.feasible) {
       // (a's counts hold the searches given up already; exact() adds those.)
       e.stats.labels_created += a.stats.labels_created - spent_created;
@@ -828,10 +794,7 @@ std::vector<int64_t> Planner::held_after(const std::vector<uint64_t>& allowed,
     int64_t pick = -1;
     for (size_t o = 0; o < s; ++o) {
       if (!(allowed[k] >> o & 1)) continue;
-      // What evaluate() can count: at most the bytes not sent, which are at least the
-      // kept bytes and at most the kept and deferred ones.
-      const OptionCost c = p.effective(k, o);
-      const int64_t h = std::min(c.held_bytes, c.kept_bytes + (least ? 0 : c.deferred_bytes));
+      const int64_t h = held_of(p.effective(k, o));
       pick = pick < 0 ? h : (least ? std::min(pick, h) : std::max(pick, h));
     }
     out[k - 1] = out[k] + std::max<int64_t>(0, pick);
@@ -1122,30 +1085,27 @@ PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_
     }
     hi += round_up(2 * most, quantum_) + quantum_;
   }
-  auto fits = [&](int64_t b, bool least) {
-    return search(b, host_budget, m, true, quantum_, 0.0, -1, 0, false, 0, 0, false, least)
-        .feasible;
+  auto fits = [&](int64_t b) {
+    return search(b, host_budget, m, true, quantum_, 0.0, -1, 0, false, 0, 0, false).feasible;
   };
   // The least budget the memory-only search meets (charging the most held bytes, or the
   // least: a relaxation).
-  auto least_budget = [&](int64_t top, bool least) {
+  auto least_budget = [&](int64_t top) {
     int64_t lo = p.base_bytes - 1;  // infeasible: every plan holds at least base
     while (top - lo > 1) {
       const int64_t mid = lo + (top - lo) / 2;
-      if (fits(mid, least)) top = mid;
+      if (fits(mid)) top = mid;
       else lo = mid;
     }
     return top;
   };
-  if (!fits(hi, false)) return {};
-  hi = least_budget(hi, false);
+  if (!fits(hi)) return {};
+  hi = least_budget(hi);
   // With a shared charge the least budget solve() meets lies in [hi, hi + charge]
-  // (solve(hi + charge) searches at hi at worst, where a plan exists); with held bytes
-  // that differ between options it may lie below hi, down to the relaxation's least.
+  // (solve(hi + charge) searches at hi at worst, where a plan exists).
   const int64_t charge = max_shared_charge(m);
-  const bool uneven = uneven_held(m);
-  if (charge > 0 || uneven) {
-    int64_t top = hi + charge, bottom = (uneven ? least_budget(hi, true) : hi) - 1;
+  if (charge > 0) {
+    int64_t top = hi + charge, bottom = hi - 1;
     while (top - bottom > 1) {
       const int64_t mid = bottom + (top - bottom) / 2;
       if (solve_unpolished(mid, allowed, host_budget).feasible) top = mid;
@@ -1161,7 +1121,7 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
                            int64_t quantum, double tolerance, int64_t max_labels,
                            int per_kept, bool relaxed, int64_t bucket,
                            int64_t labels_per_layer, bool charge_runs,
-                           bool least_held, const Cutoff* cutoff) const {
+                           const Cutoff* cutoff) const {
   const StepProfile& p = profile_;
   const size_t n = p.num_layers(), s = p.num_options();
   const int depth = depth_;
@@ -1173,7 +1133,30 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
   for (int i = 1; i < depth; ++i) keep_mod *= radix_;
   // Bytes the caller holds past their backward, of the layers after each (Planner.h):
   // the most any allowed option holds (the least for the relaxation, a lower bound).
-  const std::vector<int64_t> after = held_after(allowed, relaxed || least_held);
+  const std::vector<int64_t> after = held_after(allowed, relaxed);
+  // Held bytes exactly where options hold unlike ones (Planner.h): a label's slack is the
+  // least room its backward sample points leave for the held bytes of the layers after
+  // them; each layer's own held bytes come out of it, and it must cover the least the
+  // layers left can hold.
+  const bool track_held = !relaxed && uneven_held(allowed);
+  // Least and most held bytes of L(k+1) .. L(n-1). A slack of at least the most is
+  // unconstrained: it becomes kNoSlack, so such labels compare as without held bytes (and
+  // enter prune()'s staircase).
+  std::vector<int64_t> least_later(n, 0), most_later(n, 0);
+  if (track_held) {
+    for (size_t k = n - 1; k-- > 0;) {
+      int64_t least = -1, most = 0;
+      for (size_t o = 0; o < s; ++o) {
+        if (allowed[k + 1] >> o & 1) {
+          const int64_t h = held_of(p.effective(k + 1, o));
+          least = least < 0 ? h : std::min(least, h);
+          most = std::max(most, h);
+        }
+      }
+      least_later[k] = least_later[k + 1] + std::max<int64_t>(0, least);
+      most_later[k] = most_later[k + 1] + most;
+    }
+  }
 
   // Per layer: the least forward time and the least work (forward + backward) left from
   // it on, over its allowed options; a backlog that these surely drain is as good as none.
@@ -1281,7 +1264,15 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
                                                   ? p.layers[k][o].shared_bytes
                                                   : 0);
         if (held + pending + kept + off > budget) continue;              // end of its forward
-        if (held + kept + off + window + after[k] > budget) continue;    // start of its backward
+        int64_t slack = kNoSlack;
+        if (track_held) {  // start of its backward
+          slack = std::min(base.slack - held_of(c),
+                           budget - (held + kept + off + window + p.tail_held_bytes));
+          if (slack < least_later[k]) continue;
+          if (slack >= most_later[k]) slack = kNoSlack;
+        } else if (held + kept + off + window + after[k] > budget) {
+          continue;  // start of its backward
+        }
         if (last && held + kept + p.tail_bytes > budget) continue;       // end of forward
         if (base.host + off > host_cap) continue;
         // Host bytes matter only under a host budget (otherwise they would split fronts).
@@ -1292,7 +1283,7 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
                 0.0, 0.0,
                 depth > 0 ? class_of_[k][o] + radix_ * (base.code % keep_mod) : 0,
                 static_cast<int32_t>(li), static_cast<int16_t>(o), kNoOffload,
-                c.deferred_bytes};
+                c.deferred_bytes, slack};
         if (memory_only) {
           next.push_back(l);
           continue;

@@ -78,18 +78,23 @@
 
 // Held bytes (OptionCost::held_bytes: saved storages the caller holds until the step
 // ends): the backward sample point of Lk counts those of the later layers, which the
-// forward search has not chosen yet; it charges each later layer the most held bytes of
-// its allowed options. Every plan found fits, and the search is exact where each layer's
-// options hold the same bytes (the caller holds one storage, which every strategy saves:
-// the last layer's input). Where they differ (a module's buffer that only some strategies
-// save in the forward), solve() first searches charging the least (a relaxation): its plan
-// is the optimum when evaluate() finds it within the budget; otherwise the plan charging
-// the most is returned, marked not exact. When charging the most finds nothing, the
-// relaxation is searched again under budgets lowered by its plan's excess (at most
-// kHeldRetries times) and its first plan that evaluate() finds within the budget is
-// returned, not exact: without it a budget was refused while a smaller one was met (a
-// stack whose caller keeps every layer's output: 10 240 B met, 12 288-16 384 B refused).
-// min_peak() binary-searches solve() between the two searches' least budgets.
+// forward search has not chosen yet. Where each layer's options hold alike (the caller
+// holds one storage, which every strategy saves: the last layer's input), the search
+// charges each later layer that amount, exactly. Where they differ (a module's buffer
+// that only some strategies save in the forward), each label also carries its slack: the
+// least room its backward sample points leave for the held bytes of the layers after
+// them. Choosing Lk's option takes its held bytes out of the slack and adds Lk's own
+// point's room; a label whose slack is below the least the layers left can hold is
+// dropped, and dominance asks slack_A >= slack_B; a slack that covers the most the later
+// layers can hold constrains nothing and is kept as "unconstrained", so such labels
+// compare as without held bytes (and only they enter prune()'s staircase, whose entries
+// are compared by host bytes and time alone): 100 layers x 6 options with a 1 MiB buffer
+// held by two options in every layer solve in 10-20 ms unsaturated (23-62 ms before that
+// cap). Exact (brute force: PlannerTest,
+// 1 600 solves and 400 min_peak() calls; 24 000 and 6 000 in a longer local run); it
+// replaced a search charging the most (or, as a relaxation, the least) and retrying under
+// lowered budgets, which refused budgets above ones it met and made min_peak() return
+// 1900 B where 1010 B was met (a tester's 3-layer profiles).
 //
 // Shared charge (CostModel.h): the search leaves it out (it would need the set of options
 // used so far in every label). solve() checks the plan with evaluate(), which counts it;
@@ -227,8 +232,6 @@ inline constexpr int64_t kWideBins = 384;
 inline constexpr int kPolishPasses = 4;
 // Bins of kept bytes of add_linear_bound() (budget / kLinearBins).
 inline constexpr int64_t kLinearBins = 256;
-// Lowered searches of the held-bytes relaxation when charging the most finds nothing.
-inline constexpr int kHeldRetries = 12;
 // The relaxation's bins of kept bytes (budget / kBoundBins), see relaxed_bound().
 inline constexpr int64_t kBoundBins = 512;
 // Bins of kept bytes of rest_bound(), and the first cut-off of solve()'s branch and bound
@@ -271,11 +274,10 @@ class Planner {
                    int64_t host_budget_bytes = -1) const;
   // The smallest budget for which solve() finds a plan (exact: a binary search over bytes
   // of a memory-only search), with the fastest plan at it; feasible = false when even an
-  // unbounded device budget cannot meet the host budget. Where options hold unlike held
-  // bytes, or charge shared bytes, solve()'s feasibility is not monotone in the budget
-  // (the searches bound those charges from above or below): the budget returned is met,
-  // but a smaller one may be too (a tester's 3-layer profile: 1900 B returned, 1010 B met
-  // by solve() and the least peak), and a few budgets above a met one may be refused.
+  // unbounded device budget cannot meet the host budget. Where options charge shared
+  // bytes, solve()'s feasibility is not monotone in the budget (its searches bound the
+  // charge from above): the budget returned is met, but a smaller one may be too, and a
+  // few budgets above a met one may be refused.
   PlanResult min_peak(const std::vector<uint64_t>& allowed = {},
                       int64_t host_budget_bytes = -1) const;
 
@@ -308,13 +310,9 @@ class Planner {
   // place; O(kPolishPasses x layers^2 x options).
   void polish(PlanResult& r, int64_t budget_bytes, const std::vector<uint64_t>& allowed,
               int64_t host_budget_bytes) const;
-  // solve() for one way of charging held bytes (`least_held`: each later layer's least,
-  // else its most; see the header comment).
-  PlanResult solve_charged(int64_t budget_bytes, const std::vector<uint64_t>& allowed,
-                           int64_t host_budget_bytes, bool least_held) const;
-  // solve_charged() without the shared charge (the search as described above).
+  // solve_unpolished() without the shared charge (the search as described above).
   PlanResult solve_uncharged(int64_t budget_bytes, const std::vector<uint64_t>& allowed,
-                             int64_t host_budget_bytes, bool least_held = false) const;
+                             int64_t host_budget_bytes) const;
   // Whether some layer (>= 1) allows options holding unlike held_bytes.
   bool uneven_held(const std::vector<uint64_t>& masks) const;
   // The largest shared charge of any assignment within `masks` (masks()): per option, its
@@ -349,7 +347,7 @@ class Planner {
                     double tolerance, int64_t max_labels, int per_kept = 0,
                     bool relaxed = false, int64_t bucket = 0,
                     int64_t labels_per_layer = 0, bool charge_runs = false,
-                    bool least_held = false, const Cutoff* cutoff = nullptr) const;
+                    const Cutoff* cutoff = nullptr) const;
   // The relaxation of relaxed_bound() (no D2H backlog, least held bytes, no pending or
   // shared bytes) solved backwards over kept bytes rounded down to multiples of bin_bytes
   // (budget / kRestBins). O(layers x kRestBins x classes x options).
