@@ -38,6 +38,10 @@ struct Label {
   // sample points of the layers so far for the held bytes of the layers after them; the
   // same constant (kNoSlack) in every label otherwise.
   int64_t slack = kNoSlack;
+  // The options used so far that a later layer still charges for (shared charge,
+  // CostModel.h): bit o set when some layer so far ran option o and a later layer's o has
+  // shared bytes. Labels are compared only within one such set.
+  uint64_t used = 0;
 };
 
 struct Back {
@@ -118,7 +122,7 @@ int64_t relaxation_bin(const StepProfile& p, const std::vector<uint64_t>& allowe
   return room / g + 1 <= 2 * bins ? g : coarse;
 }
 
-// Sorts labels by (phase, code when `by_code`, kept, time, backlog, host, then their
+// Sorts labels by (phase, used, code when `by_code`, kept, time, backlog, host, then their
 // order of creation), the order prune() sweeps. Without codes the first two fit one
 // 64-bit key (phase in the top bits; kept bytes stay below 2^61: a profile adds up to at
 // most 2^60 bytes, StepProfile::validate(), and the byte quantum is at most 2^60), so the sort moves
@@ -128,6 +132,7 @@ void sort_labels(std::vector<Label>& labels, bool by_code) {
   if (by_code) {
     std::stable_sort(labels.begin(), labels.end(), [](const Label& a, const Label& b) {
       if (a.phase != b.phase) return a.phase < b.phase;
+      if (a.used != b.used) return a.used < b.used;
       if (a.code != b.code) return a.code < b.code;
       if (a.kept != b.kept) return a.kept < b.kept;
       if (a.time != b.time) return a.time < b.time;
@@ -137,6 +142,7 @@ void sort_labels(std::vector<Label>& labels, bool by_code) {
     return;
   }
   struct Key {
+    uint64_t used;   // Label::used
     uint64_t order;  // phase << 61 | kept
     double time;
     uint32_t index;
@@ -144,10 +150,12 @@ void sort_labels(std::vector<Label>& labels, bool by_code) {
   std::vector<Key> keys(labels.size());
   for (size_t i = 0; i < labels.size(); ++i) {
     const Label& l = labels[i];
-    keys[i] = Key{static_cast<uint64_t>(l.phase) << 61 | static_cast<uint64_t>(l.kept), l.time,
-                  static_cast<uint32_t>(i)};
+    keys[i] = Key{l.used, static_cast<uint64_t>(l.phase) << 61 | static_cast<uint64_t>(l.kept),
+                  l.time, static_cast<uint32_t>(i)};
   }
   std::sort(keys.begin(), keys.end(), [&labels](const Key& a, const Key& b) {
+    if ((a.order >> 61) != (b.order >> 61)) return a.order < b.order;
+    if (a.used != b.used) return a.used < b.used;
     if (a.order != b.order) return a.order < b.order;
     if (a.time != b.time) return a.time < b.time;
     const Label& x = labels[a.index];
@@ -170,13 +178,9 @@ void sort_labels(std::vector<Label>& labels, bool by_code) {
 // offload bytes in its last layer being no worse in that respect (every later term that
 // reads the code, the backward sample point and the reload stall of the next layer, is
 // non-decreasing in those bytes).
-// `next_shared` (the search charging every run's first layer; else null): the next layer's
-// shared bytes per option. A label whose last option differs from another's pays that
-// option's shared bytes where the other continues its run, so it dominates only with
-// those bytes to spare (the futures are the same once the next option is chosen).
+// Labels of unlike `used` sets are not compared (their futures pay unlike charges).
 void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
-           const std::vector<int64_t>* code_bytes, const std::vector<int64_t>* next_shared,
-           int64_t& visited) {
+           const std::vector<int64_t>* code_bytes, int64_t& visited) {
   const bool by_code = code_bytes == nullptr;
   sort_labels(labels, by_code);
   struct Front {
@@ -185,10 +189,6 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     int64_t slack;             // Label::slack
     double time, backlog;
     int16_t option;
-  };
-  // What `a` (last option a_option) may hold to dominate a label whose last option is `b`.
-  auto run_charge = [next_shared](int16_t a, int16_t b) -> int64_t {
-    return next_shared == nullptr || a == b || b < 0 ? 0 : (*next_shared)[static_cast<size_t>(b)];
   };
   // One front per offload class of the last layer (one in all when by_code): a label is
   // judged only against the classes of no more offload bytes (`below`), and may remove
@@ -217,7 +217,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
   // front was, 47 million entries in a 100-layer solve, mostly to find none).
   std::vector<double> least_time(classes), least_time_backlog(classes);
   std::vector<int64_t> most_held(classes), most_pending(classes);
-  // Simple entries (no backlog, no pending bytes; not with run charges) dominate a later
+  // Simple entries (no backlog, no pending bytes, unconstrained slack) dominate a later
   // label by host bytes and time alone: they hold no more (kept order), and their extra
   // is known. They are kept apart, per class, as a staircase (host ascending, time
   // descending, each no slower than any of fewer host bytes), so one binary search judges
@@ -228,7 +228,6 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     int64_t host;
     double time;
   };
-  const bool use_stairs = next_shared == nullptr;
   std::vector<std::vector<Step>> stairs(classes);
   auto reset = [&] {
     for (size_t c = 0; c < classes; ++c) {
@@ -244,7 +243,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
   for (size_t i = 0; i < labels.size(); ++i) {
     const Label l = labels[i];
     const size_t cls = by_code ? 0 : static_cast<size_t>(l.code);
-    if (i == 0 || l.phase != labels[i - 1].phase ||
+    if (i == 0 || l.phase != labels[i - 1].phase || l.used != labels[i - 1].used ||
         (by_code && l.code != labels[i - 1].code)) {
       reset();
       same_kept = 0;
@@ -280,7 +279,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
         const double extra = f.backlog >= linear && l.backlog >= linear
                                  ? f.backlog - l.backlog
                                  : std::max(0.0, f.backlog - l.backlog);
-        dominated = f.host <= l.host && f.held + run_charge(f.option, l.option) <= l_held &&
+        dominated = f.host <= l.host && f.held <= l_held &&
                     f.pending <= l.pending && f.slack >= l.slack && f.time + extra <= l.time + eps;
       }
       if (dominated) break;
@@ -301,7 +300,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
                                            ? l.backlog - f.backlog
                                            : std::max(0.0, l.backlog - f.backlog);
                                    return l.host <= f.host &&
-                                          l_held + run_charge(l.option, f.option) <= f.held &&
+                                          l_held <= f.held &&
                                           l.pending <= f.pending && l.slack >= f.slack &&
                                           l.time + extra <= f.time;
                                  }),
@@ -309,7 +308,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     }
     ++same_kept;
     labels[out++] = l;
-    if (use_stairs && l.backlog == 0.0 && l.pending == 0 && l.slack == kNoSlack) {
+    if (l.backlog == 0.0 && l.pending == 0 && l.slack == kNoSlack) {
       // No entry of no more host bytes is as fast (l would be dominated): those after l's
       // place that are no faster leave, and l goes in.
       std::vector<Step>& st = stairs[cls];
@@ -358,7 +357,7 @@ bool prune_capped(std::vector<Label>& labels, double linear, int64_t bucket, int
   };
   auto dominates = [&](const Label& a, const Label& b) {
     if (a.kept > b.kept || a.host > b.host || off_of(a) > off_of(b) || a.pending > b.pending ||
-        a.slack < b.slack) {
+        a.slack < b.slack || a.used != b.used) {
       return false;
     }
     if (code_bytes == nullptr && a.code != b.code) return false;
@@ -456,26 +455,15 @@ std::vector<uint64_t> Planner::masks(const std::vector<uint64_t>& allowed) const
   return out;
 }
 
-int64_t Planner::max_shared_charge(const std::vector<uint64_t>& masks) const {
-  // Each option is charged at most once, at one layer where it is allowed (CostModel.h).
-  int64_t total = 0;
-  for (size_t o = 0; o < profile_.num_options(); ++o) {
-    int64_t most = 0;
-    for (size_t k = 1; k < profile_.num_layers(); ++k) {
-      if (masks[k] >> o & 1) most = std::max(most, profile_.layers[k][o].shared_bytes);
-    }
-    total += most;
-  }
-  return total;
-}
-
 bool Planner::uneven_held(const std::vector<uint64_t>& m) const {
   for (size_t k = 1; k < profile_.num_layers(); ++k) {
     int64_t seen = -1;
     for (size_t o = 0; o < profile_.num_options(); ++o) {
       if (!(m[k] >> o & 1)) continue;
-      const int64_t h = held_of(profile_.effective(k, o));
+      const OptionCost c = profile_.effective(k, o);
+      const int64_t h = held_of(c);
       if (seen >= 0 && h != seen) return true;
+      if (c.shared_bytes > 0 && c.held_bytes > c.kept_bytes) return true;  // with its charge
       seen = h;
     }
   }
@@ -541,66 +529,6 @@ void Planner::polish(PlanResult& r, int64_t budget, const std::vector<uint64_t>&
 
 PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>& allowed,
                                      int64_t host_budget) const {
-  // The search leaves the shared charge out (Planner.h); evaluate() counts it. A plan over
-  // the budget is searched again under the budget less the most any plan can be charged
-  // (every plan found fits), and, unless the uncharged search's bound proves that plan
-  // optimal, charging every run's first layer (every plan found fits too); the faster.
-  PlanResult r = solve_uncharged(budget, allowed, host_budget);
-  if (!r.feasible || r.prediction.peak_bytes <= budget) return r;
-  // The uncharged search is a relaxation of the charged problem (its feasible set is a
-  // superset): a lower bound of its own optimum bounds the charged optimum too.
-  const double bound = r.stats.lower_bound;
-  const std::vector<uint64_t> m = masks(allowed);
-  PlanResult lowered = solve_uncharged(budget - max_shared_charge(m), allowed, host_budget);
-  const bool lowered_ok = lowered.feasible && lowered.prediction.peak_bytes <= budget;
-  lowered.stats.exact = false;
-  lowered.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
-  if (lowered_ok && std::isfinite(bound) && lowered.stats.objective <= bound * (1.0 + kChargeGap)) {
-    // Typical: the charge (a mask's bytes) is small against the budget, and losing that
-    // much budget costs little or no time. Within kChargeGap of the bound (optimal when
-    // equal to it), the run-charge search, whose weaker dominance makes its fronts wider
-    // and costs several times the two searches above, is not run.
-    lowered.stats.exact = lowered.stats.objective <= bound * (1.0 + 1e-12);
-    lowered.stats.lower_bound = std::min(bound, lowered.stats.objective);
-    return lowered;
-  }
-  // With a plan that fits (the lowered one), only faster plans matter: the run-charge
-  // search runs with its objective as the cut-off (branch and bound, solve_uncharged();
-  // rest_bound() leaves the charge out, a lower bound still), its fronts that much smaller.
-  PlanResult runs;
-  bool searched = false;
-  if (lowered_ok && tolerance_ == 0.0) {
-    const RestBound rest = rest_bound(budget, m);
-    const Cutoff cut{&rest, lowered.stats.objective * (1.0 + 1e-12)};
-    runs = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels, 0, false,
-                  0, kExactLabelsPerLayer, true, &cut);
-    searched = !runs.stats.overflowed;  // (no plan found: none faster than the lowered one)
-  }
-  if (!searched) {
-    runs = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels, 0, false,
-                  0, kExactLabelsPerLayer, true);
-  }
-  if (runs.stats.overflowed) {
-    const int64_t bucket = std::max<int64_t>(1, (budget - profile_.base_bytes) / kFallbackBins);
-    runs = search(budget, host_budget, m, false, quantum_, tolerance_, -1, kFallbackPerBin, false,
-                  bucket, 0, true);
-  }
-  runs.stats.exact = false;
-  runs.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
-  const bool runs_ok = runs.feasible && runs.prediction.peak_bytes <= budget;
-  auto bounded = [bound](PlanResult x) {
-    if (std::isfinite(bound)) x.stats.lower_bound = std::min(bound, x.stats.objective);
-    return x;
-  };
-  if (runs_ok && (!lowered_ok || runs.prediction.step_seconds <= lowered.prediction.step_seconds)) {
-    return bounded(std::move(runs));
-  }
-  if (lowered_ok) return bounded(std::move(lowered));
-  return PlanResult{};  // cannot happen: both searches' plans fit
-}
-
-PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>& allowed,
-                                    int64_t host_budget) const {
   const std::vector<uint64_t> m = masks(allowed);
   // The time found is the optimum (a lower bound of itself) only where the search is
   // exact: depth <= 1, no tolerance, no byte rounding.
@@ -645,7 +573,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   auto cut_search = [&](double seconds) {
     const Cutoff cut{&rest, seconds};
     return search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels, 0,
-                  false, 0, kExactLabelsPerLayer, false, &cut);
+                  false, 0, kExactLabelsPerLayer, &cut);
   };
   PlanResult known_plan;  // a plan the first cut-off search found beyond its cut-off
   double proven = root;  // a lower bound of the optimum
@@ -663,7 +591,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     spent_kept += r.stats.labels_kept;
   } else {
     PlanResult r = search(budget, host_budget, m, false, quantum_, tolerance_, kMaxExactLabels, 0,
-                          false, 0, kExactLabelsPerLayer, false);
+                          false, 0, kExactLabelsPerLayer);
     if (!r.stats.overflowed) return exact(r);
     spent_created += r.stats.labels_created;
     spent_kept += r.stats.labels_kept;
@@ -677,7 +605,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
   // the fastest undominated few per bin and phase.
   const int64_t bucket = std::max<int64_t>(1, (budget - profile_.base_bytes) / kFallbackBins);
   PlanResult a = search(budget, host_budget, m, false, quantum_, tolerance_, -1, kFallbackPerBin,
-                        false, bucket, 0, false);
+                        false, bucket, 0);
   if (known_plan.feasible &&
       (!a.feasible || known_plan.stats.objective < a.stats.objective)) {
     take_counts(known_plan, a);
@@ -696,7 +624,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     PlanResult w = search(budget, host_budget, m, false, quantum_, tolerance_, -1,
                           kFallbackPerBin, false,
                           std::max<int64_t>(1, (budget - profile_.base_bytes) / kWideBins), 0,
-                          false, &wide_cut);
+                          &wide_cut);
     if (w.feasible && !w.stats.truncated) {
       w.stats.labels_created += a.stats.labels_created;
       w.stats.labels_kept += a.stats.labels_kept;
@@ -729,7 +657,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     // milliseconds; the exact search below spent 2 s on 100 layers to find none).
     PlanResult f;
     if (!a.feasible) {
-      f = search(budget, host_budget, m, true, quantum_, 0.0, -1, 0, false, 0, 0, false);
+      f = search(budget, host_budget, m, true, quantum_, 0.0, -1, 0, false, 0, 0);
       a.stats.labels_created += f.stats.labels_created;
       a.stats.labels_kept += f.stats.labels_kept;
       if (!f.feasible) return a;
@@ -741,7 +669,7 @@ PlanResult Planner::solve_uncharged(int64_t budget, const std::vector<uint64_t>&
     PlanResult e = f.feasible && !rest.seconds.empty()
                        ? cut_search(f_objective * (1.0 + 1e-9))
                        : search(budget, host_budget, m, false, quantum_, tolerance_,
-                                kMaxExactLabels, 0, false, 0, 0, false);
+                                kMaxExactLabels, 0, false, 0, 0);
     if (!e.stats.overflowed && e.feasible) {
       // (a's counts hold the searches given up already; exact() adds those.)
       e.stats.labels_created += a.stats.labels_created - spent_created;
@@ -1081,37 +1009,21 @@ PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_
     int64_t most = 0;
     for (size_t o = 0; o < p.num_options(); ++o) {
       const OptionCost c = p.effective(k, o);
-      most = std::max(most, c.saved_bytes());
+      most = std::max(most, c.saved_bytes() + c.shared_bytes);
     }
     hi += round_up(2 * most, quantum_) + quantum_;
   }
+  // The memory-only search is exact in bytes (held bytes and shared charges included), so
+  // whether it meets a budget is monotone in the budget: a binary search finds the least.
   auto fits = [&](int64_t b) {
-    return search(b, host_budget, m, true, quantum_, 0.0, -1, 0, false, 0, 0, false).feasible;
-  };
-  // The least budget the memory-only search meets (charging the most held bytes, or the
-  // least: a relaxation).
-  auto least_budget = [&](int64_t top) {
-    int64_t lo = p.base_bytes - 1;  // infeasible: every plan holds at least base
-    while (top - lo > 1) {
-      const int64_t mid = lo + (top - lo) / 2;
-      if (fits(mid)) top = mid;
-      else lo = mid;
-    }
-    return top;
+    return search(b, host_budget, m, true, quantum_, 0.0, -1, 0, false, 0, 0).feasible;
   };
   if (!fits(hi)) return {};
-  hi = least_budget(hi);
-  // With a shared charge the least budget solve() meets lies in [hi, hi + charge]
-  // (solve(hi + charge) searches at hi at worst, where a plan exists).
-  const int64_t charge = max_shared_charge(m);
-  if (charge > 0) {
-    int64_t top = hi + charge, bottom = hi - 1;
-    while (top - bottom > 1) {
-      const int64_t mid = bottom + (top - bottom) / 2;
-      if (solve_unpolished(mid, allowed, host_budget).feasible) top = mid;
-      else bottom = mid;
-    }
-    hi = top;
+  int64_t lo = p.base_bytes - 1;  // infeasible: every plan holds at least base
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (fits(mid)) hi = mid;
+    else lo = mid;
   }
   return solve(hi, allowed, host_budget);
 }
@@ -1120,8 +1032,7 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
                            const std::vector<uint64_t>& allowed, bool memory_only,
                            int64_t quantum, double tolerance, int64_t max_labels,
                            int per_kept, bool relaxed, int64_t bucket,
-                           int64_t labels_per_layer, bool charge_runs,
-                           const Cutoff* cutoff) const {
+                           int64_t labels_per_layer, const Cutoff* cutoff) const {
   const StepProfile& p = profile_;
   const size_t n = p.num_layers(), s = p.num_options();
   const int depth = depth_;
@@ -1148,9 +1059,10 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
       int64_t least = -1, most = 0;
       for (size_t o = 0; o < s; ++o) {
         if (allowed[k + 1] >> o & 1) {
-          const int64_t h = held_of(p.effective(k + 1, o));
-          least = least < 0 ? h : std::min(least, h);
-          most = std::max(most, h);
+          const OptionCost c = p.effective(k + 1, o);
+          least = least < 0 ? held_of(c) : std::min(least, held_of(c));
+          // (charged, it may hold some of its shared bytes too)
+          most = std::max(most, std::min(c.held_bytes, c.kept_bytes + c.shared_bytes));
         }
       }
       least_later[k] = least_later[k + 1] + std::max<int64_t>(0, least);
@@ -1158,6 +1070,17 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
     }
   }
 
+  // charged_later[k]: the options that some layer after k charges shared bytes for (the
+  // only ones a label's `used` set keeps).
+  std::vector<uint64_t> charged_later(n, 0);
+  for (size_t k = n - 1; k-- > 0;) {
+    charged_later[k] = charged_later[k + 1];
+    for (size_t o = 0; o < s; ++o) {
+      if ((allowed[k + 1] >> o & 1) && p.layers[k + 1][o].shared_bytes > 0) {
+        charged_later[k] |= uint64_t{1} << o;
+      }
+    }
+  }
   // Per layer: the least forward time and the least work (forward + backward) left from
   // it on, over its allowed options; a backlog that these surely drain is as good as none.
   std::vector<double> min_fwd(n + 1, 0.0), rest(n + 1, p.tail_seconds);
@@ -1228,7 +1151,6 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
   std::vector<Label> cur{Label{0, 0, 0.0, 0.0, 0, -1, -1, kNoOffload}}, next;
   std::vector<OptionCost> cost(s);
   std::vector<int32_t> slots, counts;  // prune_capped's bins
-  std::vector<int64_t> next_shared;     // prune's run charges (charge_runs)
   for (size_t k = 0; k < n; ++k) {
     for (size_t o = 0; o < s; ++o) cost[o] = p.effective(k, o);
     const bool last = k + 1 == n;
@@ -1258,15 +1180,14 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
         const OptionCost& c = cost[o];
         const int64_t off = c.group_bytes();
         const int64_t held = p.base_bytes + base.kept;
-        // The sample points of CostModel.h that involve layer k.
-        // charge_runs: the first layer of every run of an option keeps its shared bytes.
-        const int64_t kept = c.kept_bytes + (charge_runs && k > 0 && base.option != static_cast<int>(o)
-                                                  ? p.layers[k][o].shared_bytes
-                                                  : 0);
+        // The sample points of CostModel.h that involve layer k. The shared charge: the
+        // first layer (>= 1) of an option no earlier layer ran keeps its shared bytes.
+        const int64_t kept =
+            c.kept_bytes + (k > 0 && !(base.used >> o & 1) ? p.layers[k][o].shared_bytes : 0);
         if (held + pending + kept + off > budget) continue;              // end of its forward
         int64_t slack = kNoSlack;
         if (track_held) {  // start of its backward
-          slack = std::min(base.slack - held_of(c),
+          slack = std::min(base.slack - std::min(c.held_bytes, kept),
                            budget - (held + kept + off + window + p.tail_held_bytes));
           if (slack < least_later[k]) continue;
           if (slack >= most_later[k]) slack = kNoSlack;
@@ -1283,7 +1204,7 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
                 0.0, 0.0,
                 depth > 0 ? class_of_[k][o] + radix_ * (base.code % keep_mod) : 0,
                 static_cast<int32_t>(li), static_cast<int16_t>(o), kNoOffload,
-                c.deferred_bytes, slack};
+                c.deferred_bytes, slack, (base.used | uint64_t{1} << o) & charged_later[k]};
         if (memory_only) {
           next.push_back(l);
           continue;
@@ -1379,15 +1300,8 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
         result.stats.truncated = true;
       }
     } else {
-      if (charge_runs) {
-        next_shared.assign(s, 0);
-        if (k + 1 < n) {
-          for (size_t o = 0; o < s; ++o) next_shared[o] = p.layers[k + 1][o].shared_bytes;
-        }
-      }
       prune(next, memory_only ? 0.0 : eps, memory_only ? kInf : most[k + 1], per_kept,
-            depth == 1 ? &class_bytes_[k] : nullptr, charge_runs ? &next_shared : nullptr,
-            visited);
+            depth == 1 ? &class_bytes_[k] : nullptr, visited);
     }
     result.stats.labels_kept += static_cast<int64_t>(next.size());
     result.stats.widest_layer = std::max<int64_t>(result.stats.widest_layer,
