@@ -72,9 +72,10 @@ class ActivationPlan:
         host_budget_bytes: the host budget it was planned for (``None``: unbounded).
         exact: whether the optimizer proved it the fastest plan of the cost model within
             the budgets (``False``: its exact search grew too large, copies saturating the
-            link over many layers, and the heuristic of ``Planner.h`` answered; or the
-            prefetch depth is >= 2, or deferred bytes, which the search times
-            approximately, kept the plan above the bound; the plan still meets the
+            link over many heterogeneous layers, and the heuristic of ``Planner.h``
+            answered; or the prefetch depth is >= 2; or the solver's plan measured over
+            the budget on the model and :func:`plan_activation_memory`'s closed loop chose
+            another, solved for a lowered budget or uniform; the plan still meets the
             budgets).
         lower_bound_seconds: a proven lower bound of the fastest predicted step within the
             budgets (seconds; for an exact plan its own time, after the fallback the
@@ -378,7 +379,7 @@ def _plan(profile: ActivationProfile, assignment: list[int], prediction: dict,
         rows=rows,
         prefetch_depth=int(depth),
         host_budget_bytes=None if host_budget is None else int(host_budget),
-        exact=bool((stats or {}).get("exact", True)),
+        exact=bool((stats or {}).get("exact", False)),  # a plan the solver did not pick: no
         lower_bound_seconds=_finite((stats or {}).get("lower_bound_seconds")),
     )
 
@@ -748,13 +749,18 @@ def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
     gives (uniform plans the profile measured within the budget), at most _UNIFORM_ROUNDS.
     """
 
+    def unproven(plan: ActivationPlan) -> ActivationPlan:
+        # Not the solver's optimum for the budget asked (solved for a lowered one, the
+        # smallest predicted, or a uniform plan): neither optimal nor bounded for it.
+        return dataclasses.replace(plan, exact=False, lower_bound_seconds=None)
+
     def fallback() -> ActivationPlan | None:
         for plan in uniform()[:_UNIFORM_ROUNDS]:
             if any(p.strategies == plan.strategies for p in tried):
                 continue
             plan = measure(plan)
             if plan.measured_peak_bytes <= budget:
-                return plan
+                return unproven(plan)
             tried.append(plan)
         return None
 
@@ -782,7 +788,7 @@ def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
             continue
         plan = measure(candidate)
         if plan.measured_peak_bytes <= budget:
-            return plan
+            return plan if target == budget and not last_resort else unproven(plan)
         tried.append(plan)
         if last_resort or len(tried) == _MEASURE_ROUNDS:
             break

@@ -233,6 +233,10 @@ def test_a_plan_measured_over_the_budget_is_solved_again_below_it(monkeypatch):
     assert len(rounds) >= 2
     assert plan.measured_peak_bytes <= plan.budget_bytes
     assert plan.predicted_peak_bytes < plan.budget_bytes  # solved for a lowered target
+    # ... so it is not the optimum for the budget asked, nor bounded for it (a tester:
+    # such plans said exact, with no bound)
+    assert not plan.exact and plan.lower_bound_seconds is None
+    assert "not proven optimal" in plan.explain()
 
 
 def test_a_uniform_plan_measured_within_the_budget_is_the_fallback(monkeypatch):
@@ -245,6 +249,7 @@ def test_a_uniform_plan_measured_within_the_budget_is_the_fallback(monkeypatch):
                                   candidates=["checkpoint"])
     assert set(plan.strategies.values()) == {"checkpoint"}
     assert len(rounds) == 1 and plan.measured_peak_bytes <= plan.budget_bytes
+    assert not plan.exact and plan.lower_bound_seconds is None  # not the solver's plan
 
 
 def test_no_measured_plan_within_the_budget_is_an_error(monkeypatch):
