@@ -292,6 +292,9 @@ class _StepProbe:
         # forwards whose output's gradient has not arrived yet, and the most at once
         self.live = [0] * n
         self.most_live = [0] * n
+        # gradients of the first pass's output: more than one is a second backward through
+        # the same forward (retain_graph=True), which the planner does not model
+        self.first_grads = [0] * n
         # forwards run so far: only a layer's first forward and its backward are read (a
         # step that accumulates gradients over passes is profiled by its first pass)
         self.passes = [0] * n
@@ -373,6 +376,9 @@ class _StepProbe:
 
     def _grad_out(self, k):
         def hook(grad):
+            self.first_grads[k] += 1
+            if self.first_grads[k] > 1:
+                return  # a second backward through the first pass: refused (_check_warmup)
             _sync(self.device)
             self.live[k] = max(0, self.live[k] - 1)
             self.bwd_start[k] = self.clock()
@@ -480,6 +486,7 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
         "outside_seconds": max(0.0, end - start - busy - tail_seconds),
         "output_bytes": list(probe.out_bytes),
         "most_live_forwards": list(probe.most_live),
+        "most_backwards": list(probe.first_grads),
     }
 
 
@@ -764,6 +771,15 @@ def _check_warmup(run: dict, layer_names: list[str]) -> None:
                 "the planner models one forward and one backward per layer and step. Give "
                 "a step_fn with one pass per backward (one micro-batch, one view), and "
                 "apply the plan to the real step.")
+    for name, most in zip(layer_names, run.get("most_backwards", [])):
+        if most > 1:
+            raise ValueError(
+                f"hyper_parallel: step_fn runs the backward of layer {name!r} {most} times "
+                "through one forward (backward(retain_graph=True), then another backward); "
+                "the planner models one forward and one backward per layer and step (a "
+                "retained graph also keeps every saved tensor until the last backward). "
+                "Give a step_fn with one backward per forward, and apply the plan to the "
+                "real step.")
     starts = run["forward_starts"]
     for a, b, sa, sb in zip(layer_names, layer_names[1:], starts, starts[1:]):
         if sb < sa:
@@ -1059,7 +1075,8 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
             first step runs none or only some of the layers, runs no backward, runs the
             layers in another order than ``layers`` gives, or runs a layer's forward again
             before its backward (two passes, one backward: gradient accumulation with a
-            backward per pass is fine).
+            backward per pass is fine), or runs a second backward through one forward
+            (``backward(retain_graph=True)`` then another backward).
         RuntimeError: when ``step_fn`` changes a parameter in place (an optimizer step);
             the model's plan, hooks and ``.grad`` are restored before it is raised, as for
             any error of ``step_fn``, but that weight update is not undone.
