@@ -742,6 +742,49 @@ StepProfile random_deferred(size_t n, uint32_t seed) {
   return p;
 }
 
+// min_peak() and solve() at 4 budgets from the least peak up to none's, each checked
+// against brute force: exact, feasible and optimal. Returns the solves checked (4).
+int expect_exact_against_brute_force(const StepProfile& p) {
+  const Planner planner(p);
+  const int64_t least = brute_force_min_peak(p);
+  const PlanResult low = planner.min_peak();
+  EXPECT_TRUE(low.feasible);
+  EXPECT_EQ(low.prediction.peak_bytes, least);
+  const int64_t none = peak_of(p, 0);
+  int solved = 0;
+  for (double fraction : {0.0, 0.2, 0.5, 1.0}) {
+    const int64_t budget = least + static_cast<int64_t>(
+        fraction * static_cast<double>(std::max<int64_t>(0, none - least)));
+    const PlanResult got = planner.solve(budget);
+    const Best want = brute_force(p, budget);
+    EXPECT_TRUE(want.found);
+    EXPECT_TRUE(got.feasible);
+    if (!got.feasible || !want.found) continue;
+    EXPECT_LE(got.prediction.peak_bytes, budget);
+    EXPECT_TRUE(got.stats.exact);
+    EXPECT_NEAR(objective_of(got), want.time, 1e-12 * want.time);
+    ++solved;
+  }
+  return solved;
+}
+
+// 400 random_deferred() profiles of 2-5 layers at depths 0 and 1, each changed by
+// mutate(profile, rng) and checked by expect_exact_against_brute_force(): the solves
+// checked.
+template <typename Mutate>
+int fuzz_against_brute_force(uint32_t rng_seed, uint32_t seed_offset, Mutate mutate) {
+  std::mt19937 rng(rng_seed);
+  int solved = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    StepProfile p = random_deferred(2 + trial % 4, static_cast<uint32_t>(trial) + seed_offset);
+    p.prefetch_depth = trial % 2;
+    mutate(p, rng);
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    solved += expect_exact_against_brute_force(p);
+  }
+  return solved;
+}
+
 // The search times a deferred copy where evaluate() does (queued at the next release point
 // behind that point's own offload, its own latency; the previous layer's reload waiting
 // for it when it ends the queue): on every assignment (the search pinned to it by the
@@ -837,38 +880,17 @@ TEST(PlannerTest, WithSharedBytesTheSearchIsExact) {
       EXPECT_NEAR(objective_of(r), want.time, 1e-12 * want.time);
     }
   }
-  std::mt19937 rng(9);
-  int solved = 0;
-  for (int trial = 0; trial < 400; ++trial) {
-    StepProfile p = random_deferred(2 + trial % 4, static_cast<uint32_t>(trial) + 5000);
-    p.prefetch_depth = trial % 2;
-    for (auto& layer : p.layers) {
-      for (auto& c : layer) {
-        if (rng() % 2) c.shared_bytes = 25 * static_cast<int64_t>(rng() % 5);
-        if (rng() % 4 == 0) c.held_bytes = static_cast<int64_t>(rng() % 3) * c.kept_bytes / 2;
-      }
-    }
-    const Planner planner(p);
-    const int64_t least = brute_force_min_peak(p);
-    const PlanResult low = planner.min_peak();
-    SCOPED_TRACE("trial " + std::to_string(trial));
-    ASSERT_TRUE(low.feasible);
-    EXPECT_EQ(low.prediction.peak_bytes, least);
-    const int64_t none = peak_of(p, 0);
-    for (double fraction : {0.0, 0.2, 0.5, 1.0}) {
-      const int64_t budget =
-          least + static_cast<int64_t>(fraction * static_cast<double>(std::max<int64_t>(0, none - least)));
-      const PlanResult got = planner.solve(budget);
-      const Best want = brute_force(p, budget);
-      ASSERT_TRUE(want.found);
-      ASSERT_TRUE(got.feasible);
-      EXPECT_LE(got.prediction.peak_bytes, budget);
-      EXPECT_TRUE(got.stats.exact);
-      EXPECT_NEAR(objective_of(got), want.time, 1e-12 * want.time);
-      ++solved;
-    }
-  }
-  EXPECT_EQ(solved, 1600);
+  EXPECT_EQ(fuzz_against_brute_force(9, 5000, [](StepProfile& p, std::mt19937& rng) {
+              for (auto& layer : p.layers) {
+                for (auto& c : layer) {
+                  if (rng() % 2) c.shared_bytes = 25 * static_cast<int64_t>(rng() % 5);
+                  if (rng() % 4 == 0) {
+                    c.held_bytes = static_cast<int64_t>(rng() % 3) * c.kept_bytes / 2;
+                  }
+                }
+              }
+            }),
+            1600);
 }
 
 TEST(PlannerTest, HeldBytesCountUntilTheStepEnds) {
@@ -1011,38 +1033,17 @@ TEST(PlannerTest, WithUnlikeHeldBytesTheSearchIsExact) {
     ASSERT_TRUE(least.feasible);
     EXPECT_EQ(least.prediction.peak_bytes, brute_force_min_peak(p));
   }
-  std::mt19937 rng(5);
-  int solved = 0;
-  for (int trial = 0; trial < 400; ++trial) {
-    StepProfile p = random_deferred(2 + trial % 4, static_cast<uint32_t>(trial) + 77);
-    p.prefetch_depth = trial % 2;
-    for (auto& layer : p.layers) {
-      for (auto& c : layer) {
-        if (rng() % 3 == 0) c.held_bytes = static_cast<int64_t>(rng() % 3) * c.kept_bytes / 2;
-      }
-    }
-    if (rng() % 2) p.tail_held_bytes = p.tail_bytes / 2;
-    const Planner planner(p);
-    const int64_t least = brute_force_min_peak(p);
-    const PlanResult low = planner.min_peak();
-    SCOPED_TRACE("trial " + std::to_string(trial));
-    ASSERT_TRUE(low.feasible);
-    EXPECT_EQ(low.prediction.peak_bytes, least);
-    const int64_t none = peak_of(p, 0);
-    for (double fraction : {0.0, 0.2, 0.5, 1.0}) {
-      const int64_t budget =
-          least + static_cast<int64_t>(fraction * static_cast<double>(std::max<int64_t>(0, none - least)));
-      const PlanResult got = planner.solve(budget);
-      const Best want = brute_force(p, budget);
-      ASSERT_TRUE(want.found);
-      ASSERT_TRUE(got.feasible);
-      EXPECT_LE(got.prediction.peak_bytes, budget);
-      EXPECT_TRUE(got.stats.exact);
-      EXPECT_NEAR(objective_of(got), want.time, 1e-12 * want.time);
-      ++solved;
-    }
-  }
-  EXPECT_EQ(solved, 1600);
+  EXPECT_EQ(fuzz_against_brute_force(5, 77, [](StepProfile& p, std::mt19937& rng) {
+              for (auto& layer : p.layers) {
+                for (auto& c : layer) {
+                  if (rng() % 3 == 0) {
+                    c.held_bytes = static_cast<int64_t>(rng() % 3) * c.kept_bytes / 2;
+                  }
+                }
+              }
+              if (rng() % 2) p.tail_held_bytes = p.tail_bytes / 2;
+            }),
+            1600);
 }
 
 StepProfile six_options(size_t n, uint32_t seed, double copy_ratio) {
