@@ -553,11 +553,6 @@ PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>
   }
   const double root = rest.root;
   int64_t spent_created = 0, spent_kept = 0;  // labels of the searches given up
-  // The relaxation without D2H backlog in exact bytes (relaxed_bound(); with a host
-  // budget, host_priced_bound()).
-  auto relaxation = [&] {
-    return host_budget < 0 ? relaxed_bound(budget, m) : host_priced_bound(budget, m, host_budget);
-  };
   // Labels of the searches run for a plan that `into` replaces.
   auto take_counts = [](PlanResult& into, const PlanResult& from) {
     into.stats.labels_created = from.stats.labels_created;
@@ -697,7 +692,7 @@ PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>
   // byte quantum also the relaxation on a byte grid rounded down when its search stays
   // within kMaxExactLabels per layer (its fronts grow with the host dimension: unbounded,
   // it took minutes for 30 layers); the larger bound.
-  double low = relaxation();
+  double low = host_budget < 0 ? relaxed_bound(budget, m) : host_priced_bound(budget, m, host_budget);
   if (host_budget >= 0 || quantum_ > 1) {
     const int64_t q = std::max<int64_t>(quantum_, (budget - profile_.base_bytes) / 512);
     const PlanResult l = search(budget, host_budget, m, false, q, 0.0, kMaxExactLabels, 0, true);

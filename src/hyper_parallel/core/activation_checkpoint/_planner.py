@@ -379,7 +379,7 @@ def _plan(profile: ActivationProfile, assignment: list[int], prediction: dict,
         rows=rows,
         prefetch_depth=int(depth),
         host_budget_bytes=None if host_budget is None else int(host_budget),
-        exact=bool((stats or {}).get("exact", False)),  # a plan the solver did not pick: no
+        exact=bool((stats or {}).get("exact", False)),  # no solver stats: not proven
         lower_bound_seconds=_finite((stats or {}).get("lower_bound_seconds")),
     )
 
@@ -750,17 +750,17 @@ def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
     """
 
     def unproven(plan: ActivationPlan) -> ActivationPlan:
-        # Not the solver's optimum for the budget asked (solved for a lowered one, the
-        # smallest predicted, or a uniform plan): neither optimal nor bounded for it.
+        # Not the solver's optimum for the budget asked (solved for a lowered one, or the
+        # smallest predicted): neither optimal nor bounded for it.
         return dataclasses.replace(plan, exact=False, lower_bound_seconds=None)
 
     def fallback() -> ActivationPlan | None:
         for plan in uniform()[:_UNIFORM_ROUNDS]:
             if any(p.strategies == plan.strategies for p in tried):
                 continue
-            plan = measure(plan)
+            plan = measure(plan)  # (built without solver stats: not exact, no bound)
             if plan.measured_peak_bytes <= budget:
-                return unproven(plan)
+                return plan
             tried.append(plan)
         return None
 
