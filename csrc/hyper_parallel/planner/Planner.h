@@ -231,6 +231,8 @@ inline constexpr double kCutoffFirst = 1e-3;
 // front entries per label created (after kCutScanFloor labels): see search().
 inline constexpr int64_t kCutScanPerLabel = 128;
 inline constexpr int64_t kCutScanFloor = 20000;
+// min_peak() under a host budget: its relaxations' grid, (upper - lower bound) / this.
+inline constexpr int64_t kMinPeakGrid = 4096;
 // Golden-section steps of host_priced_bound()'s price search.
 inline constexpr int kHostPriceSteps = 24;
 
@@ -264,12 +266,15 @@ class Planner {
   // The smallest budget for which solve() finds a plan (exact: a binary search over bytes
   // of a memory-only search), with the fastest plan at it; feasible = false when even an
   // unbounded device budget cannot meet the host budget. Exact in bytes, held bytes and
-  // shared charges included (PlannerTest checks it against brute force); with a byte
-  // quantum > 1, plans within a few quanta of a budget may be missed. Cost: a memory-only
-  // search per step of a binary search over bytes (about 36 for GiB budgets); without a
-  // host budget each takes milliseconds, under one each keeps a (kept, host) front per
-  // layer: a tester's 100-layer, 3-option profile took 46 s (1.2 s per search, fronts of
-  // 50 000 labels). Not yet addressed.
+  // shared charges included (PlannerTest checks it against brute force, with and without
+  // a host budget); with a byte quantum > 1, plans within a few quanta of a budget may be
+  // missed. Cost: without a host budget, a memory-only search of milliseconds per step of
+  // the binary search (about 36 for GiB budgets). Under one, each exact search keeps a
+  // (kept, host) front per layer (a tester's 100-layer, 3-option profile: 50 000 labels,
+  // 1.2 s each), so the least peak without the host budget and relaxations on a byte grid
+  // (bytes rounded down) bound it from below and the peaks of the plans found from above,
+  // and exact searches run only between (Planner.cpp): that profile takes 3.9 s, 2 exact
+  // searches and solve() at the least peak (46 s before).
   PlanResult min_peak(const std::vector<uint64_t>& allowed = {},
                       int64_t host_budget_bytes = -1) const;
 

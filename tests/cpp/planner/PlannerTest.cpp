@@ -91,13 +91,15 @@ int64_t peak_of(const StepProfile& p, int option) {
   return evaluate(p, std::vector<int>(p.num_layers(), option)).peak_bytes;
 }
 
-int64_t brute_force_min_peak(const StepProfile& p) {
+// The least peak of the plans whose host bytes are within `host` (< 0: unbounded); -1: none.
+int64_t brute_force_min_peak(const StepProfile& p, int64_t host = -1) {
   const size_t n = p.num_layers(), s = p.num_options();
   std::vector<int> a(n, 0);
   int64_t best = -1;
   while (true) {
-    const int64_t peak = evaluate(p, a).peak_bytes;
-    if (best < 0 || peak < best) best = peak;
+    const Prediction e = evaluate(p, a);
+    const int64_t peak = e.peak_bytes;
+    if ((host < 0 || e.host_peak_bytes <= host) && (best < 0 || peak < best)) best = peak;
     size_t k = 0;
     while (k < n && ++a[k] == static_cast<int>(s)) a[k++] = 0;
     if (k == n) break;
@@ -1287,6 +1289,57 @@ TEST(PlannerTest, UnderAHostBudgetABudgetAboveOneMetIsMet) {
     // A larger budget never needs a slower plan: the plan at min_peak() fits here too.
     EXPECT_LE(objective_of(r), objective_of(least) * (1 + 1e-9));
   }
+}
+
+// min_peak() under a host budget spends its exact searches only where relaxations cannot
+// decide (Planner.h): random profiles with deferred, held and shared bytes, in bytes and
+// scaled by 4099 (where its rounded-down relaxations run), at host budgets from none to
+// all: the least peak within the host budget is brute force's, and its plan meets both.
+TEST(PlannerTest, MinPeakUnderAHostBudgetIsBruteForces) {
+  std::mt19937 rng(31);
+  int checked = 0, refused = 0;
+  for (int trial = 0; trial < 240; ++trial) {
+    StepProfile p = random_deferred(2 + trial % 4, static_cast<uint32_t>(trial) + 500);
+    p.prefetch_depth = trial % 2;
+    const int64_t scale = trial % 3 == 0 ? 1 : 4099;
+    for (auto& layer : p.layers) {
+      for (auto& c : layer) {
+        if (rng() % 3 == 0) c.held_bytes = static_cast<int64_t>(rng() % 3) * c.kept_bytes / 2;
+        if (rng() % 4 == 0) c.shared_bytes = 40 * static_cast<int64_t>(rng() % 3);
+        for (int64_t* b : {&c.kept_bytes, &c.offload_bytes, &c.deferred_bytes, &c.shared_bytes,
+                           &c.held_bytes}) {
+          *b *= scale;
+        }
+      }
+    }
+    p.base_bytes *= scale;
+    p.tail_bytes *= scale;
+    if (trial % 4 == 3) {  // only the options that offload (some host budgets are refused)
+      p.options = {p.options[1], p.options[3]};
+      for (auto& layer : p.layers) layer = {layer[1], layer[3]};
+    }
+    const int64_t most_host =
+        evaluate(p, std::vector<int>(p.num_layers(), trial % 4 == 3 ? 0 : 1)).host_peak_bytes;
+    const Planner planner(p);
+    for (double fraction : {0.0, 0.2, 0.45, 0.7, 1.0}) {
+      const int64_t host = static_cast<int64_t>(fraction * static_cast<double>(most_host));
+      SCOPED_TRACE("trial " + std::to_string(trial) + " host " + std::to_string(host));
+      const int64_t want = brute_force_min_peak(p, host);
+      const PlanResult got = planner.min_peak({}, host);
+      ASSERT_EQ(got.feasible, want >= 0);
+      if (!got.feasible) {
+        ++refused;
+        continue;
+      }
+      EXPECT_EQ(got.prediction.peak_bytes, want);
+      EXPECT_LE(got.prediction.host_peak_bytes, host);
+      ++checked;
+    }
+  }
+  std::printf("[planner] min_peak under a host budget: %d checked, %d refused\n", checked,
+              refused);
+  EXPECT_GT(checked, 900);
+  EXPECT_GT(refused, 20);
 }
 
 // Random layers whose options all offload a lot, on a link 2-3x slower than the forwards
