@@ -243,6 +243,11 @@ def model_device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+# Whether the backward running now keeps its graph (retain_graph=True); torch's own
+# AOTAutograd reads it. Private: absent from a torch that lacks it (then not checked).
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
 def _sync(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
@@ -295,6 +300,10 @@ class _StepProbe:
         # gradients of the first pass's output: more than one is a second backward through
         # the same forward (retain_graph=True), which the planner does not model
         self.first_grads = [0] * n
+        # whether the first backward keeps the graph (backward(retain_graph=True)): every
+        # saved tensor, reloaded ones included, then stays until the graph is freed, which
+        # the cost model does not see; None where this torch cannot tell
+        self.kept_graph = None
         # forwards run so far: only a layer's first forward and its backward are read (a
         # step that accumulates gradients over passes is profiled by its first pass)
         self.passes = [0] * n
@@ -380,6 +389,8 @@ class _StepProbe:
             if self.first_grads[k] > 1:
                 return  # a second backward through the first pass: refused (_check_warmup)
             _sync(self.device)
+            if self.kept_graph is None and _keep_graph is not None:
+                self.kept_graph = bool(_keep_graph())
             self.live[k] = max(0, self.live[k] - 1)
             self.bwd_start[k] = self.clock()
             self.stall_start[k] = self._stats()["stall_seconds"]
@@ -487,6 +498,7 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
         "output_bytes": list(probe.out_bytes),
         "most_live_forwards": list(probe.most_live),
         "most_backwards": list(probe.first_grads),
+        "kept_graph": bool(probe.kept_graph),
     }
 
 
@@ -780,6 +792,14 @@ def _check_warmup(run: dict, layer_names: list[str]) -> None:
                 "retained graph also keeps every saved tensor until the last backward). "
                 "Give a step_fn with one backward per forward, and apply the plan to the "
                 "real step.")
+    if run.get("kept_graph"):
+        raise ValueError(
+            "hyper_parallel: step_fn's backward keeps the graph (backward(retain_graph=True) "
+            "or autograd.grad(..., retain_graph=True)): every tensor saved for backward, "
+            "reloaded ones included, then stays on the device until the graph is freed, "
+            "and the planner models a backward that frees each layer's saves as it goes. "
+            "Give a step_fn whose backward frees the graph (the default), and apply the plan "
+            "to the real step.")
     starts = run["forward_starts"]
     for a, b, sa, sb in zip(layer_names, layer_names[1:], starts, starts[1:]):
         if sb < sa:
@@ -1075,8 +1095,11 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
             first step runs none or only some of the layers, runs no backward, runs the
             layers in another order than ``layers`` gives, or runs a layer's forward again
             before its backward (two passes, one backward: gradient accumulation with a
-            backward per pass is fine), or runs a second backward through one forward
-            (``backward(retain_graph=True)`` then another backward).
+            backward per pass is fine), runs a second backward through one forward
+            (``backward(retain_graph=True)`` then another backward), or runs a backward
+            that keeps its graph (``retain_graph=True``: every saved tensor would stay
+            until the graph is freed; not checked on a torch without
+            ``torch._C._autograd._get_current_graph_task_keep_graph``).
         RuntimeError: when ``step_fn`` changes a parameter in place (an optimizer step);
             the model's plan, hooks and ``.grad`` are restored before it is raised, as for
             any error of ``step_fn``, but that weight update is not undone.

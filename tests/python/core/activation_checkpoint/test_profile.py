@@ -284,6 +284,11 @@ def _twice(loss):
     # keeps every reloaded tensor)
     (lambda m, x: _twice(m(x).sum()), "runs the backward of layer 'layers.0' 2 times "
                                       "through one forward"),
+    # one backward that keeps the graph: every saved tensor, reloaded ones included,
+    # stays until the graph is freed (it had been profiled silently)
+    (lambda m, x: m(x).sum().backward(retain_graph=True), "backward keeps the graph"),
+    (lambda m, x: torch.autograd.grad(m(x).sum(), list(m.parameters()), retain_graph=True),
+     "backward keeps the graph"),
 ])
 def test_a_step_that_is_not_a_training_step_is_refused(step, message):
     # R8: a step with no backward, no forward through the layers, or only some layers.
