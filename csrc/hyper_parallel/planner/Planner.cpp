@@ -122,17 +122,16 @@ int64_t relaxation_bin(const StepProfile& p, const std::vector<uint64_t>& allowe
   return room / g + 1 <= 2 * bins ? g : coarse;
 }
 
-// Sorts labels by (phase, used, code when `by_code`, kept, time, backlog, host, then their
-// order of creation), the order prune() sweeps. Without codes the first two fit one
-// 64-bit key (phase in the top bits; kept bytes stay below 2^61: a profile adds up to at
-// most 2^60 bytes, StepProfile::validate(), and the byte quantum is at most 2^60), so the sort moves
-// 24-byte keys instead of labels and gathers once (a third of a 100-layer solve's time
+// Sorts labels by (phase, code when `by_code`, kept, time, backlog, host, then their order
+// of creation), the order prune() sweeps. Without codes the first two fit one 64-bit key
+// (phase in the top bits; kept bytes stay below 2^61: a profile adds up to at most 2^60
+// bytes, StepProfile::validate(), and the byte quantum is at most 2^60), so the sort moves
+// 16-byte keys instead of labels and gathers once (a third of a 100-layer solve's time
 // went to sorting the labels themselves).
 void sort_labels(std::vector<Label>& labels, bool by_code) {
   if (by_code) {
     std::stable_sort(labels.begin(), labels.end(), [](const Label& a, const Label& b) {
       if (a.phase != b.phase) return a.phase < b.phase;
-      if (a.used != b.used) return a.used < b.used;
       if (a.code != b.code) return a.code < b.code;
       if (a.kept != b.kept) return a.kept < b.kept;
       if (a.time != b.time) return a.time < b.time;
@@ -142,7 +141,6 @@ void sort_labels(std::vector<Label>& labels, bool by_code) {
     return;
   }
   struct Key {
-    uint64_t used;   // Label::used
     uint64_t order;  // phase << 61 | kept
     double time;
     uint32_t index;
@@ -150,12 +148,10 @@ void sort_labels(std::vector<Label>& labels, bool by_code) {
   std::vector<Key> keys(labels.size());
   for (size_t i = 0; i < labels.size(); ++i) {
     const Label& l = labels[i];
-    keys[i] = Key{l.used, static_cast<uint64_t>(l.phase) << 61 | static_cast<uint64_t>(l.kept),
-                  l.time, static_cast<uint32_t>(i)};
+    keys[i] = Key{static_cast<uint64_t>(l.phase) << 61 | static_cast<uint64_t>(l.kept), l.time,
+                  static_cast<uint32_t>(i)};
   }
   std::sort(keys.begin(), keys.end(), [&labels](const Key& a, const Key& b) {
-    if ((a.order >> 61) != (b.order >> 61)) return a.order < b.order;
-    if (a.used != b.used) return a.used < b.used;
     if (a.order != b.order) return a.order < b.order;
     if (a.time != b.time) return a.time < b.time;
     const Label& x = labels[a.index];
@@ -178,7 +174,9 @@ void sort_labels(std::vector<Label>& labels, bool by_code) {
 // offload bytes in its last layer being no worse in that respect (every later term that
 // reads the code, the backward sample point and the reload stall of the next layer, is
 // non-decreasing in those bytes).
-// Labels of unlike `used` sets are not compared (their futures pay unlike charges).
+// `used` sets (Label::used): a label whose set holds another's can dominate it (its later
+// layers pay no charge the other's do not, so they keep no more bytes); one whose set does
+// not cannot.
 void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
            const std::vector<int64_t>* code_bytes, int64_t& visited) {
   const bool by_code = code_bytes == nullptr;
@@ -190,19 +188,41 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     double time, backlog;
     int16_t option;
   };
-  // One front per offload class of the last layer (one in all when by_code): a label is
-  // judged only against the classes of no more offload bytes (`below`), and may remove
-  // entries only of the classes of no fewer (`above`). A label that survives is usually
-  // faster than every entry of those classes, which each class's bounds see without a
-  // scan; one shared front scanned every entry of the classes that cannot dominate it
-  // (80 % of a 100-layer solve's time).
+  // One front per group, a (used set, offload class of the last layer) pair (one class in
+  // all when by_code): a label is judged only against the groups whose set holds its own
+  // and whose class has no more offload bytes (`below`), and may remove entries only of
+  // the groups whose set its own holds and whose class has no fewer (`above`). A label
+  // that survives is usually faster than every entry of those groups, which each group's
+  // bounds see without a scan; one shared front scanned every entry of the classes that
+  // cannot dominate it (80 % of a 100-layer solve's time). Labels of unlike sets were not
+  // compared at all before: on a decoder profile, where every strategy charges for the
+  // mask and rotary tables, 18-23 sets split the fronts of a 128-layer solve.
   const size_t classes = by_code ? 1 : code_bytes->size();
-  std::vector<std::vector<Front>> fronts(classes);
-  std::vector<std::vector<size_t>> below(classes), above(classes);
-  for (size_t c = 0; c < classes; ++c) {
-    for (size_t d = 0; d < classes; ++d) {
-      if (by_code || (*code_bytes)[d] <= (*code_bytes)[c]) below[c].push_back(d);
-      if (by_code || (*code_bytes)[d] >= (*code_bytes)[c]) above[c].push_back(d);
+  std::vector<uint64_t> sets;
+  for (const Label& l : labels) sets.push_back(l.used);
+  std::sort(sets.begin(), sets.end());
+  sets.erase(std::unique(sets.begin(), sets.end()), sets.end());
+  auto set_of = [&](uint64_t used) {
+    return static_cast<size_t>(std::lower_bound(sets.begin(), sets.end(), used) - sets.begin());
+  };
+  const size_t groups = sets.size() * classes;
+  std::vector<std::vector<Front>> fronts(groups);
+  std::vector<std::vector<size_t>> below(groups), above(groups);
+  for (size_t u = 0; u < sets.size(); ++u) {
+    for (size_t c = 0; c < classes; ++c) {
+      const size_t g = u * classes + c;
+      for (size_t v = 0; v < sets.size(); ++v) {
+        const bool holds = (sets[v] & sets[u]) == sets[u];  // sets[v] holds sets[u]
+        const bool held = (sets[u] & sets[v]) == sets[v];   // sets[u] holds sets[v]
+        for (size_t d = 0; d < classes; ++d) {
+          if (holds && (by_code || (*code_bytes)[d] <= (*code_bytes)[c])) {
+            below[g].push_back(v * classes + d);
+          }
+          if (held && (by_code || (*code_bytes)[d] >= (*code_bytes)[c])) {
+            above[g].push_back(v * classes + d);
+          }
+        }
+      }
     }
   }
   // Bounds over each front that spare most scans, the results unchanged (labels come in
@@ -215,11 +235,11 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
   // the entries l can dominate (f.held >= l's) lie in the suffix whose kept bytes are at
   // least l's held bytes less that: only that suffix is searched for them (the whole
   // front was, 47 million entries in a 100-layer solve, mostly to find none).
-  std::vector<double> least_time(classes), least_time_backlog(classes);
-  std::vector<int64_t> most_held(classes), most_pending(classes);
+  std::vector<double> least_time(groups), least_time_backlog(groups);
+  std::vector<int64_t> most_held(groups), most_pending(groups);
   // Simple entries (no backlog, no pending bytes, unconstrained slack) dominate a later
   // label by host bytes and time alone: they hold no more (kept order), and their extra
-  // is known. They are kept apart, per class, as a staircase (host ascending, time
+  // is known. They are kept apart, per group, as a staircase (host ascending, time
   // descending, each no slower than any of fewer host bytes), so one binary search judges
   // a label against all of them: the least time among those of no more host bytes. Under
   // a host budget the host bytes make a second dimension, and scanning every entry made
@@ -228,23 +248,40 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     int64_t host;
     double time;
   };
-  std::vector<std::vector<Step>> stairs(classes);
+  std::vector<std::vector<Step>> stairs(groups);
+  // Entries without host bytes (every label, without a host budget) whose backlog is below
+  // `linear` and slack unconstrained dominate a later label l of no fewer pending bytes
+  // when f.time <= l.time and f.time + f.backlog <= l.time + l.backlog (the extra is
+  // max(0, f.backlog - l.backlog)): per group and pending figure they are kept as a
+  // staircase of (time ascending, time + backlog descending), so a binary search finds
+  // the least time + backlog among those no slower than l. Scanned in the fronts, the
+  // labels with a backlog of a saturated profile cost up to 10^4 visits each (2 us a
+  // label; 1 s for the exact searches of a 100-layer solve).
+  std::vector<int64_t> pendings;
+  for (const Label& l : labels) pendings.push_back(l.pending);
+  std::sort(pendings.begin(), pendings.end());
+  pendings.erase(std::unique(pendings.begin(), pendings.end()), pendings.end());
+  const size_t npend = pendings.size();
+  struct Lane {
+    double time, total;  // total: time + backlog
+  };
+  std::vector<std::vector<Lane>> lanes(groups * npend);
   auto reset = [&] {
-    for (size_t c = 0; c < classes; ++c) {
-      fronts[c].clear();
-      stairs[c].clear();
-      least_time[c] = least_time_backlog[c] = kInf;
-      most_held[c] = std::numeric_limits<int64_t>::min();
-      most_pending[c] = 0;
+    for (auto& lane : lanes) lane.clear();
+    for (size_t g = 0; g < groups; ++g) {
+      fronts[g].clear();
+      stairs[g].clear();
+      least_time[g] = least_time_backlog[g] = kInf;
+      most_held[g] = std::numeric_limits<int64_t>::min();
+      most_pending[g] = 0;
     }
   };
   size_t out = 0;
   int same_kept = 0;
   for (size_t i = 0; i < labels.size(); ++i) {
     const Label l = labels[i];
-    const size_t cls = by_code ? 0 : static_cast<size_t>(l.code);
-    if (i == 0 || l.phase != labels[i - 1].phase || l.used != labels[i - 1].used ||
-        (by_code && l.code != labels[i - 1].code)) {
+    const size_t grp = set_of(l.used) * classes + (by_code ? 0 : static_cast<size_t>(l.code));
+    if (i == 0 || l.phase != labels[i - 1].phase || (by_code && l.code != labels[i - 1].code)) {
       reset();
       same_kept = 0;
     } else if (l.kept != labels[i - 1].kept) {
@@ -256,7 +293,16 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     // A simple entry's extra: -l.backlog where both backlogs are past `linear`, else 0.
     const double stairs_reach =
         l.time + eps + (0.0 >= linear && l.backlog >= linear ? l.backlog : 0.0);
-    for (size_t d : below[cls]) {
+    const size_t pend = static_cast<size_t>(
+        std::lower_bound(pendings.begin(), pendings.end(), l.pending) - pendings.begin());
+    for (size_t d : below[grp]) {
+      for (size_t pi = 0; pi <= pend && !dominated; ++pi) {
+        const std::vector<Lane>& lane = lanes[d * npend + pi];
+        auto it = std::upper_bound(lane.begin(), lane.end(), l.time + eps,
+                                   [](double t, const Lane& x) { return t < x.time; });
+        dominated = it != lane.begin() && std::prev(it)->total <= l.time + l.backlog + eps;
+      }
+      if (dominated) break;
       const std::vector<Step>& st = stairs[d];
       auto it = std::upper_bound(st.begin(), st.end(), l.host,
                                  [](int64_t h, const Step& x) { return h < x.host; });
@@ -287,7 +333,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     if (dominated) continue;
     // A front entry that l dominates is no longer needed to judge later labels (they
     // have at least l's kept bytes, and dominance is transitive).
-    for (size_t d : above[cls]) {
+    for (size_t d : above[grp]) {
       if (l_held > most_held[d]) continue;
       std::vector<Front>& front = fronts[d];
       auto from = front.end();
@@ -308,10 +354,22 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     }
     ++same_kept;
     labels[out++] = l;
+    if (l.host == 0 && l.slack == kNoSlack && l.backlog < linear) {
+      // Those after l's place (no faster) whose time + backlog is no less leave.
+      std::vector<Lane>& lane = lanes[grp * npend + pend];
+      const double total = l.time + l.backlog;
+      auto at = std::lower_bound(lane.begin(), lane.end(), l.time,
+                                 [](const Lane& x, double t) { return x.time < t; });
+      auto end = at;
+      while (end != lane.end() && end->total >= total) ++end;
+      at = lane.erase(at, end);
+      lane.insert(at, Lane{l.time, total});
+      continue;
+    }
     if (l.backlog == 0.0 && l.pending == 0 && l.slack == kNoSlack) {
       // No entry of no more host bytes is as fast (l would be dominated): those after l's
       // place that are no faster leave, and l goes in.
-      std::vector<Step>& st = stairs[cls];
+      std::vector<Step>& st = stairs[grp];
       auto at = std::lower_bound(st.begin(), st.end(), l.host,
                                  [](const Step& x, int64_t h) { return x.host < h; });
       auto end = at;
@@ -320,14 +378,14 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
       st.insert(at, Step{l.host, l.time});
       continue;
     }
-    fronts[cls].push_back(
+    fronts[grp].push_back(
         Front{l.kept, l.host, l_held, l.pending, l.slack, l.time, l.backlog, l.option});
-    most_pending[cls] = std::max(most_pending[cls], l.pending);
-    least_time[cls] = std::min(least_time[cls], l.time);
+    most_pending[grp] = std::max(most_pending[grp], l.pending);
+    least_time[grp] = std::min(least_time[grp], l.time);
     if (l.backlog >= linear) {
-      least_time_backlog[cls] = std::min(least_time_backlog[cls], l.time + l.backlog);
+      least_time_backlog[grp] = std::min(least_time_backlog[grp], l.time + l.backlog);
     }
-    most_held[cls] = std::max(most_held[cls], l_held);
+    most_held[grp] = std::max(most_held[grp], l_held);
   }
   labels.resize(out);
 }
@@ -634,15 +692,53 @@ PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>
       a = std::move(w);
       upper = a.stats.objective;
     }
-    // The exact search within the best plan's objective (given up like the first).
-    PlanResult r = cut_search(upper * (1.0 + 1e-12));
-    if (!r.stats.overflowed && r.feasible) {
-      r.stats.labels_created += a.stats.labels_created;
-      r.stats.labels_kept += a.stats.labels_kept;
-      return exact(r);
+    // Deepening (branch and bound with rising cut-offs): exact searches whose cut-offs
+    // rise from the best lower bound towards that plan's objective, the first
+    // (upper - bound) / kDeepeningFirst above the bound, each next step kDeepeningGrowth
+    // times the last, together allowed kDeepeningLabels labels. A search that ends without
+    // a plan within its cut-off proves the optimum above it (the next starts there); the
+    // first that finds one has found the optimum. The labels a search keeps grow steeply
+    // with its cut-off's distance above the bound (a saturated 100-layer solve: 0.33, 0.45,
+    // 0.77, 1.6 million at 0.01, 0.03, 0.06, 0.12 % above it), so cut-offs near the optimum
+    // are cheap where the plan's own objective, 0.03-0.4 % above it, is not: a 128-layer
+    // decoder profile is solved exactly (the search within the plan's objective would
+    // have kept 3.4 million labels). Deepening stops early when the next search, guessed
+    // from the growth between the last two, would outgrow what is left.
+    double floor_bound = std::max(proven, rest.linear_root);
+    double step = (upper - floor_bound) / kDeepeningFirst;
+    int64_t left = kDeepeningLabels, last_created = 0, guess = 0;
+    while (step > 0.0 && left > 0 && guess <= left) {
+      const double c = std::min(upper, floor_bound + step);
+      const Cutoff cut{&rest, c * (1.0 + 1e-12), left, false};
+      PlanResult r = search(budget, host_budget, m, false, quantum_, tolerance_,
+                            kDeepeningWidest, 0, false, 0, 0, &cut);
+      left -= r.stats.labels_created;
+      if (!r.stats.overflowed && r.feasible && r.stats.objective <= c * (1.0 + 1e-12)) {
+        if (quantum_ == 1) {
+          r.stats.labels_created += a.stats.labels_created;
+          r.stats.labels_kept += a.stats.labels_kept;
+          return exact(r);
+        }
+        // With bytes rounded up the search may have missed plans: the plan is not proven
+        // optimal (its bound comes below).
+        spent_created += r.stats.labels_created;
+        spent_kept += r.stats.labels_kept;
+        if (r.stats.objective < a.stats.objective) {
+          take_counts(r, a);
+          a = std::move(r);
+        }
+        break;
+      }
+      spent_created += r.stats.labels_created;
+      spent_kept += r.stats.labels_kept;
+      if (r.stats.overflowed || c >= upper) break;
+      if (quantum_ == 1) proven = std::max(proven, c);
+      floor_bound = c;
+      step *= kDeepeningGrowth;
+      guess = last_created > 0 ? r.stats.labels_created * r.stats.labels_created / last_created
+                               : 0;
+      last_created = r.stats.labels_created;
     }
-    spent_created += r.stats.labels_created;
-    spent_kept += r.stats.labels_kept;
   }
   a.stats.labels_created += spent_created;
   a.stats.labels_kept += spent_kept;
@@ -833,35 +929,42 @@ Planner::RestBound Planner::rest_bound(int64_t budget, const std::vector<uint64_
   const int64_t bin_bytes = out.bin_bytes;
   const size_t bins = static_cast<size_t>(std::max<int64_t>(0, budget - p.base_bytes) / bin_bytes) + 1;
   const std::vector<int64_t> after = held_after(allowed, true);
-  std::vector<std::vector<double>>& rest = out.seconds;
-  rest.resize(n + 1);
-  rest[n].assign(bins * radix, 0.0);
-  for (size_t k = n; k-- > 0;) {
-    std::vector<double>& row = rest[k];
-    row.assign(bins * radix, kInf);
-    const std::vector<double>& later = rest[k + 1];
-    const bool last = k + 1 == n;
-    const size_t prev_classes = depth_ > 0 && k > 0 ? class_bytes_[k - 1].size() : 1;
-    for (size_t o = 0; o < s; ++o) {
-      if (!(allowed[k] >> o & 1)) continue;
-      const OptionCost c = p.effective(k, o);
-      const double work = relaxed_work(p, c, 0.0);
-      const size_t cls = depth_ > 0 ? static_cast<size_t>(class_of_[k][o]) : 0;
-      for (size_t pc = 0; pc < prev_classes; ++pc) {
-        const int64_t prev_off = depth_ > 0 && k > 0 ? class_bytes_[k - 1][pc] : 0;
-        const double t = work + reload_stall(p, prev_off, c);
-        const size_t fit = fitting_bins(p, c, prev_off, after[k], last, budget, bin_bytes, bins);
-        for (size_t i = 0; i < fit; ++i) {
-          const int64_t kept = static_cast<int64_t>(i) * bin_bytes;
-          const size_t j = static_cast<size_t>((kept + c.kept_bytes) / bin_bytes);
-          const double v = t + later[j * radix + cls];
-          double& slot = row[i * radix + pc];
-          if (v < slot) slot = v;
+  // Two tables: `seconds` over every completion, `resident` over those that offload
+  // nothing more (search()'s labels past the last offload).
+  for (std::vector<std::vector<double>>* table : {&out.seconds, &out.resident}) {
+    const bool resident = table == &out.resident;
+    std::vector<std::vector<double>>& rest = *table;
+    rest.resize(n + 1);
+    rest[n].assign(bins * radix, 0.0);
+    for (size_t k = n; k-- > 0;) {
+      std::vector<double>& row = rest[k];
+      row.assign(bins * radix, kInf);
+      const std::vector<double>& later = rest[k + 1];
+      const bool last = k + 1 == n;
+      const size_t prev_classes = depth_ > 0 && k > 0 ? class_bytes_[k - 1].size() : 1;
+      for (size_t o = 0; o < s; ++o) {
+        if (!(allowed[k] >> o & 1)) continue;
+        const OptionCost c = p.effective(k, o);
+        if (resident && c.group_bytes() > 0) continue;
+        const double work = relaxed_work(p, c, 0.0);
+        const size_t cls = depth_ > 0 ? static_cast<size_t>(class_of_[k][o]) : 0;
+        for (size_t pc = 0; pc < prev_classes; ++pc) {
+          const int64_t prev_off = depth_ > 0 && k > 0 ? class_bytes_[k - 1][pc] : 0;
+          const double t = work + reload_stall(p, prev_off, c);
+          const size_t fit =
+              fitting_bins(p, c, prev_off, after[k], last, budget, bin_bytes, bins);
+          for (size_t i = 0; i < fit; ++i) {
+            const int64_t kept = static_cast<int64_t>(i) * bin_bytes;
+            const size_t j = static_cast<size_t>((kept + c.kept_bytes) / bin_bytes);
+            const double v = t + later[j * radix + cls];
+            double& slot = row[i * radix + pc];
+            if (v < slot) slot = v;
+          }
         }
       }
     }
   }
-  out.root = rest[0][0] + p.tail_seconds + p.outside_seconds;
+  out.root = out.seconds[0][0] + p.tail_seconds + p.outside_seconds;
   return out;
 }
 
@@ -1281,8 +1384,11 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
             // The least time any completion of x can take: beyond the cut-off, x leads to no
             // plan within it.
             const int64_t bin = x.kept / cutoff->rest->bin_bytes;
-            const double left = cutoff->rest->seconds[k + 1][static_cast<size_t>(bin) * radix_ +
-                                                             (depth > 0 ? x.code % radix_ : 0)];
+            // Past the last offload (kLastChosen: Lk was it), no later layer offloads.
+            const bool resident = phase == kLastChosen || phase == kDraining;
+            const double left =
+                (resident ? cutoff->rest->resident : cutoff->rest->seconds)[k + 1]
+                    [static_cast<size_t>(bin) * radix_ + (depth > 0 ? x.code % radix_ : 0)];
             // Draining, the wait of the first reload is at least the backlog less the most
             // work left before it (rest_bound() counts no wait).
             const double wait =
@@ -1379,7 +1485,12 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
     // leaves out, so such a search rarely finds a plan within it (copies slower than the
     // forwards: measured 240-440 entries visited per label created, against 0-71 where
     // the cut-off search succeeds; 0.4 s spent for nothing on 100 such layers).
-    if (cutoff != nullptr && result.stats.labels_created > kCutScanFloor &&
+    if (cutoff != nullptr && cutoff->created_limit >= 0 &&
+        result.stats.labels_created > cutoff->created_limit) {
+      result.stats.overflowed = true;
+      return result;
+    }
+    if (cutoff != nullptr && cutoff->scan_limit && result.stats.labels_created > kCutScanFloor &&
         visited > kCutScanPerLabel * result.stats.labels_created) {
       result.stats.overflowed = true;
       return result;

@@ -33,7 +33,12 @@
 // final objective is (objective so far) + g(backlog) with g non-decreasing and
 // 1-Lipschitz (the backlog only passes through max(0, b - x) + y and is finally added to
 // the time). Labels are swept in increasing kept bytes per phase (and classes), each
-// checked against the front of those before it. A backlog that the work
+// checked against the front of those before it; entries without host bytes, held-bytes
+// slack or a backlog past `linear` (below) sit in staircases of (time, time + backlog) per
+// pending figure, so one binary search judges a label against all of them (scanned, a
+// saturated profile's labels cost up to 10^4 visits each). Labels whose `used` sets
+// differ (shared charge, below) compare when the dominating one's set holds the other's.
+// A backlog that the work
 // before the first reload surely drains, whatever the later layers choose, is set to 0;
 // two backlogs both at least the most work left (every later max(0, .) passes them
 // through) compare by objective + backlog alone (both exact). So the search is exact for
@@ -44,18 +49,24 @@
 //
 // Branch and bound (solve(), without a time tolerance): rest_bound() solves the fallback's
 // relaxation (below) backwards over kept bytes rounded down (kRestBins), which bounds from
-// below the time any completion of a label can take. The search drops, at birth, every
-// label whose time plus that bound (plus, while draining, the backlog the remaining work
-// cannot hide) exceeds a cut-off; every label on the path of a plan within the cut-off
-// stays (dominance and the cut-off agree: the bound is non-decreasing in kept bytes and in
-// the last layer's offload bytes), so the best plan found within it is the optimum. The
-// first cut-off lies kCutoffFirst above the relaxation's optimum; when no plan is found
-// within it, the later ones are the objective of the best plan known to fit (that
-// search's or the fallback's, below), so they cannot come back empty. Unsaturated
-// 100-layer profiles: 14-30 ms, 20-50x fewer labels created; saturated profiles of 30
-// layers are solved exactly; saturated 100-layer ones (copies 1-3x a forward) mostly
-// fall back: their exact cut-off searches give up (label limits, or kCutScanPerLabel),
-// and the capped searches answer in 80-150 ms (below).
+// below the time any completion of a label can take (a second table, over completions
+// that offload nothing, for labels past the last offload). The search drops, at birth,
+// every label whose time plus that bound (plus, while draining, the backlog the remaining
+// work cannot hide) exceeds a cut-off; every label on the path of a plan within the
+// cut-off stays (dominance and the cut-off agree: the bound is non-decreasing in kept bytes
+// and in the last layer's offload bytes), so the best plan found within it is the optimum.
+// The first cut-off lies kCutoffFirst above the relaxation's optimum. When no plan is found
+// within it, the capped searches (below) find a plan, and the deepening raises the cut-off
+// from the best proven bound towards that plan's objective: (plan - bound) /
+// kDeepeningFirst above it first, each next step kDeepeningGrowth times the last, the
+// searches together allowed kDeepeningLabels labels. A search that ends without a plan
+// within its cut-off proves the optimum above it; the first that finds one has found the
+// optimum. Unsaturated 100-layer profiles: 14-30 ms, 20-50x fewer labels created;
+// saturated 100-layer ones (copies 1-3x a forward, budgets 25-60 % of none; 27 of
+// bench_planner's synthetic profiles): 21 proven optimal, median 40 ms, at most 0.65 s
+// (12 of 27 before, median 93 ms, at most 0.19 s); a 128-layer decoder profile tiled from
+// a measured Llama, copies 1.6x a forward: proven optimal in 0.2 s (the plan 0.33 % faster
+// than the capped searches').
 //
 // Deferred bytes (OptionCost::deferred_bytes, a layer input its caller still holds at the
 // layer's release point; they leave at the next layer's release point): bytes and time are
@@ -98,8 +109,10 @@
 //
 // Shared charge (CostModel.h): exact. Each label carries `used`, the options run so far
 // that some later layer charges for (its option with shared bytes > 0); choosing option o
-// at layer k >= 1 keeps its shared bytes when o is not in the set, and only labels of the
-// same set are compared (their futures pay the same charges). The set stays small: on an
+// at layer k >= 1 keeps its shared bytes when o is not in the set, and a label dominates
+// another only when its set holds the other's (its future pays no charge the other's does
+// not; sets that held each other only when equal split a 128-layer decoder solve's fronts
+// 18-23 ways). The set stays small: on an
 // 8-layer Llama profile tiled to 100 layers, where every strategy charges (the causal
 // mask, `cache_position`, rotary `cos`/`sin`), the search is exact in 24 ms, at the
 // measured link and at copies 2x a forward (it left the charge out and re-searched under a
@@ -119,7 +132,9 @@
 // which drops most labels at birth: where none of its bins overflowed (prune_capped()
 // dropped only dominated labels), it kept every label the exact search keeps, so its plan
 // is the optimum (stats.exact); otherwise the faster of the two plans stands, and the
-// exact search with that cut-off is tried last (given up like the first). On the Python
+// deepening (above) runs the exact search with cut-offs rising towards its objective (a
+// single search at that objective, the way before, gave up on most saturated profiles:
+// 3.4 million labels for the 128-layer decoder one). On the Python
 // benchmark's saturated 100-layer profile (bench_planner.py --solve-only; optima found by
 // an unbounded cut-off search in 20-30 s) the second pass brought the plan from 0.49 %
 // and 0.20 % above the optimum to 0.03 % and 0.05 %. The cut-offs after the first also
@@ -233,6 +248,14 @@ inline constexpr int64_t kCutScanPerLabel = 128;
 inline constexpr int64_t kCutScanFloor = 20000;
 // min_peak() under a host budget: its relaxations' grid, (upper - lower bound) / this.
 inline constexpr int64_t kMinPeakGrid = 4096;
+// solve()'s deepening: the labels its exact searches may create in all, the first
+// cut-off's distance above the lower bound (the gap to the plan known / this), and the
+// factor by which each next distance grows.
+inline constexpr int64_t kDeepeningLabels = 2000000;
+inline constexpr double kDeepeningFirst = 32.0;
+inline constexpr double kDeepeningGrowth = 2.0;
+// ... and the most labels one layer of them may keep.
+inline constexpr int64_t kDeepeningWidest = 250000;
 // Golden-section steps of host_priced_bound()'s price search.
 inline constexpr int kHostPriceSteps = 24;
 
@@ -315,6 +338,9 @@ class Planner {
   // step's objective (seconds[0][0] + tail + outside; +inf: no plan fits).
   struct RestBound {
     std::vector<std::vector<double>> seconds;
+    // The same over the completions that offload nothing (for labels past the last
+    // offload: search()'s kLastChosen and kDraining).
+    std::vector<std::vector<double>> resident;
     int64_t bin_bytes = 1;
     double root = std::numeric_limits<double>::infinity();
     // add_linear_bound() (empty until it ran): linear[k][(i * radix_ + c) * 4 + phase] is a
@@ -331,6 +357,11 @@ class Planner {
   struct Cutoff {
     const RestBound* rest = nullptr;
     double seconds = 0.0;
+    // The search gives up once it created more labels than this (< 0: no limit) ...
+    int64_t created_limit = -1;
+    // ... or, when set, once its prune() visits more than kCutScanPerLabel front entries
+    // per label created (search()).
+    bool scan_limit = true;
   };
   // max_labels < 0: no limit. `cutoff` (optional): see Cutoff.
   PlanResult search(int64_t budget_bytes, int64_t host_budget_bytes,
