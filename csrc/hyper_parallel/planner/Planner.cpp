@@ -655,48 +655,6 @@ PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>
   if (!rest.seconds.empty()) {
     add_linear_bound(rest, budget, m);
     proven = std::max(proven, rest.linear_root);
-    // Deepening (branch and bound with rising cut-offs): exact searches whose cut-offs
-    // rise from the best proven bound, the first root x kCutoffFirst above it, each next
-    // step kDeepeningGrowth times the last (never beyond a plan already known), together
-    // allowed kDeepeningLabels labels and kDeepeningWidest per layer. A search that ends
-    // without a plan within its cut-off proves the optimum above it (the next starts
-    // there); the first that finds one has found the optimum. The labels a search keeps
-    // grow steeply with its cut-off's distance above the bound (a saturated 100-layer
-    // solve: 0.33, 0.45, 0.77, 1.6 million at 0.01, 0.03, 0.06, 0.12 % above it), so
-    // cut-offs near the optimum are affordable where one at the capped searches' plan,
-    // 0.03-0.4 % above it, was not (the way before: 3.4 million labels for a 128-layer
-    // decoder profile, given up). Deepening stops early when the next search, guessed
-    // from the growth between the last two, would outgrow what is left.
-    const double upper = known_plan.feasible ? known_plan.stats.objective : kInf;
-    double floor_bound = proven;
-    double step = root * kCutoffFirst;
-    int64_t left = kDeepeningLabels, last_created = 0, guess = 0;
-    while (floor_bound < upper && left > 0 && guess <= left) {
-      const double c = std::min(upper, floor_bound + step);
-      const Cutoff cut{&rest, c * (1.0 + 1e-12), left, false};
-      PlanResult r = search(budget, host_budget, m, false, quantum_, tolerance_,
-                            kDeepeningWidest, 0, false, 0, 0, &cut);
-      left -= r.stats.labels_created;
-      spent_created += r.stats.labels_created;
-      spent_kept += r.stats.labels_kept;
-      if (!r.stats.overflowed && r.feasible && r.stats.objective <= c * (1.0 + 1e-12)) {
-        if (quantum_ == 1) {
-          r.stats.labels_created = r.stats.labels_kept = 0;  // (counted in spent)
-          return exact(r);
-        }
-        // With bytes rounded up the search may have missed plans: the plan is not proven
-        // optimal, and the capped searches' may be faster.
-        known_plan = std::move(r);
-        break;
-      }
-      if (r.stats.overflowed) break;
-      if (quantum_ == 1) proven = std::max(proven, c);
-      floor_bound = c;
-      step *= kDeepeningGrowth;
-      guess = last_created > 0 ? r.stats.labels_created * r.stats.labels_created / last_created
-                               : 0;
-      last_created = r.stats.labels_created;
-    }
   }
   // The fallback (a heuristic): exact bytes, labels binned by kept bytes (budget / bins),
   // the fastest undominated few per bin and phase.
@@ -709,7 +667,8 @@ PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>
     a = std::move(known_plan);
   }
   if (!rest.seconds.empty() && a.feasible) {
-    const double upper = a.stats.objective;
+    // A plan within it fits: the exact search within its objective cannot come back empty.
+    double upper = a.stats.objective;
     // The capped search again with kWideBins bins and that plan's objective as the
     // cut-off, which drops most labels at birth (the wider bins cost about what the first
     // pass did). When no bin overflowed, it kept every label the exact search keeps: its
@@ -731,6 +690,54 @@ PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>
     if (w.feasible && w.stats.objective < a.stats.objective) {
       take_counts(w, a);
       a = std::move(w);
+      upper = a.stats.objective;
+    }
+    // Deepening (branch and bound with rising cut-offs): exact searches whose cut-offs
+    // rise from the best lower bound towards that plan's objective, the first
+    // (upper - bound) / kDeepeningFirst above the bound, each next step kDeepeningGrowth
+    // times the last, together allowed kDeepeningLabels labels. A search that ends without
+    // a plan within its cut-off proves the optimum above it (the next starts there); the
+    // first that finds one has found the optimum. The labels a search keeps grow steeply
+    // with its cut-off's distance above the bound (a saturated 100-layer solve: 0.33, 0.45,
+    // 0.77, 1.6 million at 0.01, 0.03, 0.06, 0.12 % above it), so cut-offs near the optimum
+    // are cheap where the plan's own objective, 0.03-0.4 % above it, is not: a 128-layer
+    // decoder profile is solved exactly (the search within the plan's objective would
+    // have kept 3.4 million labels). Deepening stops early when the next search, guessed
+    // from the growth between the last two, would outgrow what is left.
+    double floor_bound = std::max(proven, rest.linear_root);
+    double step = (upper - floor_bound) / kDeepeningFirst;
+    int64_t left = kDeepeningLabels, last_created = 0, guess = 0;
+    while (step > 0.0 && left > 0 && guess <= left) {
+      const double c = std::min(upper, floor_bound + step);
+      const Cutoff cut{&rest, c * (1.0 + 1e-12), left, false};
+      PlanResult r = search(budget, host_budget, m, false, quantum_, tolerance_,
+                            kDeepeningWidest, 0, false, 0, 0, &cut);
+      left -= r.stats.labels_created;
+      if (!r.stats.overflowed && r.feasible && r.stats.objective <= c * (1.0 + 1e-12)) {
+        if (quantum_ == 1) {
+          r.stats.labels_created += a.stats.labels_created;
+          r.stats.labels_kept += a.stats.labels_kept;
+          return exact(r);
+        }
+        // With bytes rounded up the search may have missed plans: the plan is not proven
+        // optimal (its bound comes below).
+        spent_created += r.stats.labels_created;
+        spent_kept += r.stats.labels_kept;
+        if (r.stats.objective < a.stats.objective) {
+          take_counts(r, a);
+          a = std::move(r);
+        }
+        break;
+      }
+      spent_created += r.stats.labels_created;
+      spent_kept += r.stats.labels_kept;
+      if (r.stats.overflowed || c >= upper) break;
+      if (quantum_ == 1) proven = std::max(proven, c);
+      floor_bound = c;
+      step *= kDeepeningGrowth;
+      guess = last_created > 0 ? r.stats.labels_created * r.stats.labels_created / last_created
+                               : 0;
+      last_created = r.stats.labels_created;
     }
   }
   a.stats.labels_created += spent_created;

@@ -56,12 +56,12 @@
 // cut-off stays (dominance and the cut-off agree: the bound is non-decreasing in kept bytes
 // and in the last layer's offload bytes), so the best plan found within it is the optimum.
 // The first cut-off lies kCutoffFirst above the relaxation's optimum. When no plan is found
-// within it, the deepening raises the cut-off from the best proven bound, root x
-// kCutoffFirst above it first, each next step kDeepeningGrowth times the last, the
-// searches together allowed kDeepeningLabels labels (and kDeepeningWidest per layer). A
-// search that ends without a plan within its cut-off proves the optimum above it; the
-// first that finds one has found the optimum; the capped searches (below) answer where it
-// gives up. Unsaturated 100-layer profiles: 14-30 ms, 20-50x fewer labels created;
+// within it, the capped searches (below) find a plan, and the deepening raises the cut-off
+// from the best proven bound towards that plan's objective: (plan - bound) /
+// kDeepeningFirst above it first, each next step kDeepeningGrowth times the last, the
+// searches together allowed kDeepeningLabels labels. A search that ends without a plan
+// within its cut-off proves the optimum above it; the first that finds one has found the
+// optimum. Unsaturated 100-layer profiles: 14-30 ms, 20-50x fewer labels created;
 // saturated 100-layer ones (copies 1-3x a forward, budgets 25-60 % of none; 27 of
 // bench_planner's synthetic profiles): 21 proven optimal, median 40 ms, at most 0.65 s
 // (12 of 27 before, median 93 ms, at most 0.19 s); a 128-layer decoder profile tiled from
@@ -131,9 +131,10 @@
 // capped search follows, with kWideBins bins and that plan's objective as its cut-off,
 // which drops most labels at birth: where none of its bins overflowed (prune_capped()
 // dropped only dominated labels), it kept every label the exact search keeps, so its plan
-// is the optimum (stats.exact); otherwise the faster of the two plans stands (an exact
-// search at its objective, tried last before the deepening, gave up on most saturated
-// profiles: 3.4 million labels for the 128-layer decoder one). On the Python
+// is the optimum (stats.exact); otherwise the faster of the two plans stands, and the
+// deepening (above) runs the exact search with cut-offs rising towards its objective (a
+// single search at that objective, the way before, gave up on most saturated profiles:
+// 3.4 million labels for the 128-layer decoder one). On the Python
 // benchmark's saturated 100-layer profile (bench_planner.py --solve-only; optima found by
 // an unbounded cut-off search in 20-30 s) the second pass brought the plan from 0.49 %
 // and 0.20 % above the optimum to 0.03 % and 0.05 %. The cut-offs after the first also
@@ -247,10 +248,11 @@ inline constexpr int64_t kCutScanPerLabel = 128;
 inline constexpr int64_t kCutScanFloor = 20000;
 // min_peak() under a host budget: its relaxations' grid, (upper - lower bound) / this.
 inline constexpr int64_t kMinPeakGrid = 4096;
-// solve()'s deepening: the labels its exact searches may create in all (about 0.3 s on
-// this 2-core machine's cores: 0.15 us a label), and the factor by which each next
-// cut-off's distance above the bound grows (the first: root x kCutoffFirst).
+// solve()'s deepening: the labels its exact searches may create in all, the first
+// cut-off's distance above the lower bound (the gap to the plan known / this), and the
+// factor by which each next distance grows.
 inline constexpr int64_t kDeepeningLabels = 2000000;
+inline constexpr double kDeepeningFirst = 32.0;
 inline constexpr double kDeepeningGrowth = 2.0;
 // ... and the most labels one layer of them may keep.
 inline constexpr int64_t kDeepeningWidest = 250000;
