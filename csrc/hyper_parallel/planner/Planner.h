@@ -257,6 +257,9 @@ inline constexpr int64_t kMinPeakGrid = 4096;
 inline constexpr int64_t kDeepeningLabels = 2000000;
 inline constexpr double kDeepeningFirst = 32.0;
 inline constexpr double kDeepeningGrowth = 2.0;
+// ... and the largest gap between the plan known and the bound (relative) it tries to close
+// (the saturated profiles it solves lie within 0.1-0.6 %).
+inline constexpr double kDeepeningGap = 0.01;
 // ... and the most labels one layer of them may keep.
 inline constexpr int64_t kDeepeningWidest = 250000;
 // Golden-section steps of host_priced_bound()'s price search.
