@@ -249,8 +249,10 @@ inline constexpr double kCutoffFirst = 1e-3;
 // front entries per label created (after kCutScanFloor labels): see search().
 inline constexpr int64_t kCutScanPerLabel = 128;
 inline constexpr int64_t kCutScanFloor = 20000;
-// min_peak() under a host budget: its relaxations' grid, (upper - lower bound) / this.
+// min_peak() under a host budget: its relaxations' grid, (upper - lower bound) / this; and
+// the final labels of a memory-only search whose plans it evaluates for the least peak.
 inline constexpr int64_t kMinPeakGrid = 4096;
+inline constexpr size_t kPeakCandidates = 256;
 // solve()'s deepening: the labels its exact searches may create in all, the first
 // cut-off's distance above the lower bound (the gap to the plan known / this), and the
 // factor by which each next distance grows.
@@ -300,10 +302,10 @@ class Planner {
   // missed. Cost: without a host budget, a memory-only search of milliseconds per step of
   // the binary search (about 36 for GiB budgets). Under one, each exact search keeps a
   // (kept, host) front per layer (a tester's 100-layer, 3-option profile: 50 000 labels,
-  // 1.2 s each), so the least peak without the host budget and relaxations on a byte grid
-  // (bytes rounded down) bound it from below and the peaks of the plans found from above,
-  // and exact searches run only between (Planner.cpp): that profile takes 3.9 s, 2 exact
-  // searches and solve() at the least peak (46 s before).
+  // 1.2 s each), so the least peak without the host budget and searches on a byte grid
+  // (bytes rounded down, and up) bound it from below and the peaks of the plans found from
+  // above, and exact searches run only between (Planner.cpp): that profile takes 1.4 s
+  // (46 s before); a second tester's, 100 layers of odd byte counts, 7.7 s (292 s).
   PlanResult min_peak(const std::vector<uint64_t>& allowed = {},
                       int64_t host_budget_bytes = -1) const;
 
