@@ -59,12 +59,13 @@
 // within it, the capped searches (below) find a plan, and the deepening raises the cut-off
 // from the best proven bound towards that plan's objective: (plan - bound) /
 // kDeepeningFirst above it first, each next step kDeepeningGrowth times the last, the
-// searches together allowed kDeepeningLabels labels. A search that ends without a plan
-// within its cut-off proves the optimum above it; the first that finds one has found the
-// optimum. Unsaturated 100-layer profiles: 14-30 ms, 20-50x fewer labels created;
-// saturated 100-layer ones (copies 1-3x a forward, budgets 25-60 % of none; 27 of
-// bench_planner's synthetic profiles): 21 proven optimal, median 40 ms, at most 0.65 s
-// (12 of 27 before, median 93 ms, at most 0.19 s); a 128-layer decoder profile tiled from
+// searches together allowed kDeepeningLabels labels (only where the plan lies within
+// kDeepeningGap of the bound; beyond it one search at the plan's objective runs). A
+// search that ends without a plan within its cut-off proves the optimum above it; the
+// first that finds one has found the optimum. Unsaturated 100-layer profiles: 14-30 ms,
+// 20-50x fewer labels created; saturated 100-layer ones (copies 1-3x a forward, budgets
+// 25-60 % of none; 27 of bench_planner's synthetic profiles): 21 proven optimal, median
+// 40 ms, at most 0.5 s (12 of 27 before, median 93 ms, at most 0.19 s); a 128-layer decoder profile tiled from
 // a measured Llama, copies 1.6x a forward: proven optimal in 0.2 s (the plan 0.33 % faster
 // than the capped searches').
 //
