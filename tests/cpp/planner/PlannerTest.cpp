@@ -87,6 +87,24 @@ double objective_of(const PlanResult& r, const StepProfile* timed = nullptr) {
   return step + kTrafficSecondsPerByte * static_cast<double>(r.prediction.offload_bytes);
 }
 
+// No single layer's change to r's plan that meets `budget` is faster (objective_of()).
+void expect_locally_optimal(const StepProfile& p, const PlanResult& r, int64_t budget) {
+  const double got = objective_of(r);
+  std::vector<int> a = r.assignment;
+  for (size_t k = 0; k < a.size(); ++k) {
+    const int was = a[k];
+    for (size_t o = 0; o < p.num_options(); ++o) {
+      a[k] = static_cast<int>(o);
+      const Prediction e = evaluate(p, a);
+      if (e.peak_bytes > budget) continue;
+      EXPECT_GE(e.step_seconds + kTrafficSecondsPerByte * static_cast<double>(e.offload_bytes),
+                got * (1 - 1e-12))
+          << "layer " << k << " option " << o;
+    }
+    a[k] = was;
+  }
+}
+
 int64_t peak_of(const StepProfile& p, int option) {
   return evaluate(p, std::vector<int>(p.num_layers(), option)).peak_bytes;
 }
@@ -1181,19 +1199,7 @@ TEST(PlannerTest, SaturatedHundredLayersAreProvenOptimal) {
       const double got = objective_of(r);
       EXPECT_NEAR(r.stats.lower_bound, got, 1e-12 * got);
       EXPECT_LE(r.prediction.peak_bytes, budget);
-      std::vector<int> a = r.assignment;
-      for (size_t k = 0; k < a.size(); ++k) {
-        const int was = a[k];
-        for (size_t o = 0; o < p.num_options(); ++o) {
-          a[k] = static_cast<int>(o);
-          const Prediction e = evaluate(p, a);
-          if (e.peak_bytes > budget) continue;
-          EXPECT_GE(e.step_seconds + kTrafficSecondsPerByte * static_cast<double>(e.offload_bytes),
-                    got * (1 - 1e-12))
-              << "layer " << k << " option " << o;
-        }
-        a[k] = was;
-      }
+      expect_locally_optimal(p, r, budget);
       for (size_t o = 0; o < p.num_options(); ++o) {
         const Prediction u = evaluate(p, std::vector<int>(p.num_layers(), static_cast<int>(o)));
         if (u.peak_bytes > budget) continue;
@@ -1500,19 +1506,7 @@ TEST(PlannerTest, APlanNotProvenOptimalIsLocallyOptimal) {
       if (r.stats.exact) continue;
       ++inexact;
       EXPECT_LE(r.stats.lower_bound, got);
-      std::vector<int> a = r.assignment;
-      for (size_t k = 0; k < a.size(); ++k) {
-        const int was = a[k];
-        for (size_t o = 0; o < p.num_options(); ++o) {
-          a[k] = static_cast<int>(o);
-          const Prediction e = evaluate(p, a);
-          if (e.peak_bytes > budget) continue;
-          EXPECT_GE(e.step_seconds + kTrafficSecondsPerByte * static_cast<double>(e.offload_bytes),
-                    got * (1 - 1e-12))
-              << "layer " << k << " option " << o;
-        }
-        a[k] = was;
-      }
+      expect_locally_optimal(p, r, budget);
     }
   }
   std::printf("[planner] random offloading profiles: %d plans not proven optimal, each locally "
