@@ -381,6 +381,9 @@ class _StepProbe:
     def _grad_out_again(self, k):
         def hook(grad):
             self.live[k] = max(0, self.live[k] - 1)
+            # a later pass's backward may keep its graph too (its saves stay as well)
+            if not self.kept_graph and _keep_graph is not None:
+                self.kept_graph = bool(_keep_graph())
         return hook
 
     def _grad_out(self, k):

@@ -289,6 +289,9 @@ def _twice(loss):
     (lambda m, x: m(x).sum().backward(retain_graph=True), "backward keeps the graph"),
     (lambda m, x: torch.autograd.grad(m(x).sum(), list(m.parameters()), retain_graph=True),
      "backward keeps the graph"),
+    # ... also where only a later micro-batch's backward keeps it (tester: accepted)
+    (lambda m, x: [m(xb).sum().backward(retain_graph=i == 1) for i, xb in enumerate(x.split(4))],
+     "backward keeps the graph"),
 ])
 def test_a_step_that_is_not_a_training_step_is_refused(step, message):
     # R8: a step with no backward, no forward through the layers, or only some layers.
