@@ -306,7 +306,10 @@ class Planner {
   // 1.2 s each), so the least peak without the host budget and searches on a byte grid
   // (bytes rounded down, and up) bound it from below and the peaks of the plans found from
   // above, and exact searches run only between (Planner.cpp): that profile takes 1.4 s
-  // (46 s before); a second tester's, 100 layers of odd byte counts, 7.7 s (292 s).
+  // (46 s before); a second tester's, 100 layers of odd byte counts, 7.7 s (292 s). Not
+  // yet bounded: a third tester's 100-layer profile under a 64 MiB host budget ran for
+  // minutes in solve() at the least peak (its memory-only fallback, unlimited so that no
+  // budget met is refused, kept fronts of 3 million labels).
   PlanResult min_peak(const std::vector<uint64_t>& allowed = {},
                       int64_t host_budget_bytes = -1) const;
 
