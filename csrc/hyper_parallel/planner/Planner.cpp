@@ -198,10 +198,16 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
   // compared at all before: on a decoder profile, where every strategy charges for the
   // mask and rotary tables, 18-23 sets split the fronts of a 128-layer solve.
   const size_t classes = by_code ? 1 : code_bytes->size();
-  std::vector<uint64_t> sets;
-  for (const Label& l : labels) sets.push_back(l.used);
-  std::sort(sets.begin(), sets.end());
-  sets.erase(std::unique(sets.begin(), sets.end()), sets.end());
+  // The distinct values of a label field, ascending.
+  auto distinct = [&labels](auto field) {
+    std::vector<decltype(field(labels.front()))> out;
+    out.reserve(16);
+    for (const Label& l : labels) out.push_back(field(l));
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    return out;
+  };
+  const std::vector<uint64_t> sets = distinct([](const Label& l) { return l.used; });
   auto set_of = [&](uint64_t used) {
     return static_cast<size_t>(std::lower_bound(sets.begin(), sets.end(), used) - sets.begin());
   };
@@ -257,10 +263,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
   // the least time + backlog among those no slower than l. Scanned in the fronts, the
   // labels with a backlog of a saturated profile cost up to 10^4 visits each (2 us a
   // label; 1 s for the exact searches of a 100-layer solve).
-  std::vector<int64_t> pendings;
-  for (const Label& l : labels) pendings.push_back(l.pending);
-  std::sort(pendings.begin(), pendings.end());
-  pendings.erase(std::unique(pendings.begin(), pendings.end()), pendings.end());
+  const std::vector<int64_t> pendings = distinct([](const Label& l) { return l.pending; });
   const size_t npend = pendings.size();
   struct Lane {
     double time, total;  // total: time + backlog
