@@ -381,10 +381,13 @@ class _StepProbe:
     def _grad_out_again(self, k):
         def hook(grad):
             self.live[k] = max(0, self.live[k] - 1)
-            # a later pass's backward may keep its graph too (its saves stay as well)
-            if not self.kept_graph and _keep_graph is not None:
-                self.kept_graph = bool(_keep_graph())
+            self._read_keep_graph()  # a later pass's backward may keep its graph too
         return hook
+
+    def _read_keep_graph(self):
+        """Inside a backward: notes whether it keeps its graph (retain_graph=True)."""
+        if not self.kept_graph and _keep_graph is not None:
+            self.kept_graph = bool(_keep_graph())
 
     def _grad_out(self, k):
         def hook(grad):
@@ -392,8 +395,7 @@ class _StepProbe:
             if self.first_grads[k] > 1:
                 return  # a second backward through the first pass: refused (_check_warmup)
             _sync(self.device)
-            if self.kept_graph is None and _keep_graph is not None:
-                self.kept_graph = bool(_keep_graph())
+            self._read_keep_graph()
             self.live[k] = max(0, self.live[k] - 1)
             self.bwd_start[k] = self.clock()
             self.stall_start[k] = self._stats()["stall_seconds"]
