@@ -133,7 +133,14 @@ struct DTensorHandle {
 // installed, autograd no longer checks version counters itself (SavedVariable::unpack skips
 // the check when hooks are present), so the hook keeps the version seen at pack time and
 // unpack_hook raises on an in-place modification, exactly as autograd would without hooks.
+// Its destruction tells the active meter that the storage may have died (SavedBytesMeter.h).
 struct SavedPassThrough {
+  SavedPassThrough(py::object held, c10::VariableVersion counter, uint32_t at_pack)
+      : tensor(std::move(held)), version(std::move(counter)), saved_version(at_pack) {}
+  ~SavedPassThrough() { SavedBytesMeter::note_release(); }
+  SavedPassThrough(const SavedPassThrough&) = delete;
+  SavedPassThrough& operator=(const SavedPassThrough&) = delete;
+
   py::object tensor;
   c10::VariableVersion version;
   uint32_t saved_version;
@@ -157,8 +164,8 @@ py::object pass_through(const py::object& obj, const at::Tensor& t) {
                ? obj.attr("detach")()  // a subclass detaches through its own dispatch
                : py::reinterpret_steal<py::object>(THPVariable_Wrap(t.detach()));
   }
-  return py::cast(std::make_shared<SavedPassThrough>(
-      SavedPassThrough{std::move(held), version, version.current_version()}));
+  return py::cast(std::make_shared<SavedPassThrough>(std::move(held), version,
+                                                    version.current_version()));
 }
 
 class PackHook {

@@ -15,6 +15,10 @@ void SavedBytesMeter::set_active(SavedBytesMeter* meter) {
   g_active.store(meter, std::memory_order_release);
 }
 
+void SavedBytesMeter::note_release() noexcept {
+  if (SavedBytesMeter* meter = active()) meter->stale_.store(true, std::memory_order_relaxed);
+}
+
 void SavedBytesMeter::observe(const at::Tensor& t) {
   if (!has_plain_storage(t) || t.is_meta()) return;
   if (t.requires_grad() && t.is_leaf()) return;  // a parameter
@@ -25,6 +29,7 @@ void SavedBytesMeter::observe(const at::Tensor& t) {
   const c10::Storage& storage = t.storage();
   const c10::StorageImpl* key = storage.unsafeGetStorageImpl();
   std::lock_guard<std::mutex> lock(mu_);
+  if (stale_.exchange(false, std::memory_order_relaxed)) recount_locked();
   auto it = seen_.find(key);
   if (it != seen_.end() && !it->second.storage.expired()) {
     Seen& s = it->second;
@@ -41,6 +46,11 @@ void SavedBytesMeter::observe(const at::Tensor& t) {
 
 int64_t SavedBytesMeter::sample() {
   std::lock_guard<std::mutex> lock(mu_);
+  stale_.store(false, std::memory_order_relaxed);
+  return recount_locked();
+}
+
+int64_t SavedBytesMeter::recount_locked() {
   int64_t total = 0;
   for (auto it = seen_.begin(); it != seen_.end();) {
     if (auto strong = it->second.storage.lock()) {

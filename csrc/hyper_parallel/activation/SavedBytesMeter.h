@@ -6,8 +6,14 @@
 // reports 0, a reloaded one its full size, a dead one nothing. The peak is the largest
 // sample. Parameters and views of parameters are not activations and are ignored.
 // Samples are taken by observe() (incrementally: + the new storage's bytes) and by
-// sample() (exactly); the engine releases memory only at region boundaries, where the
-// Python layer samples, so the incremental total never misses a free in between.
+// sample() (exactly). A saved storage dies only after what its pack hook returned is
+// released (autograd frees a node's saved tensors after its backward, or with a graph
+// dropped unused), and the engine frees device memory in place only at region
+// boundaries, where the Python layer samples. So the pack hooks' saved objects call
+// note_release() when destroyed, and the next observe() recounts exactly first: a
+// storage freed between two forwards (the backward of one gradient-accumulation
+// micro-batch before the next one's forward) leaves the total before the next one is
+// added. The forward itself stays O(1) per saved tensor (nothing is released in it).
 //
 // Epochs (the planner's profile, docs/design.md "Shared inputs"): begin_epoch(e) with e >= 1
 // tags the storages first observed from then on with e; observing again, in epoch e, a
@@ -48,9 +54,17 @@ class SavedBytesMeter {
   // The meter PackHooks report to (at most one active at a time), or null.
   static SavedBytesMeter* active();
   static void set_active(SavedBytesMeter* meter);
+  // A saved object (a pass-through or a swap handle) was destroyed: marks the active
+  // meter's running total stale, so its next observe() recounts. Lock-free, noexcept
+  // (called from destructors, on any thread).
+  static void note_release() noexcept;
 
  private:
+  // Sums the live observed storages, erases the dead ones, updates the peak. Needs mu_.
+  int64_t recount_locked();
+
   mutable std::mutex mu_;
+  std::atomic<bool> stale_{false};
   struct Seen {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;
     int first_epoch = 0;

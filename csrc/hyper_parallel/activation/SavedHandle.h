@@ -9,6 +9,7 @@
 //
 // Thread-safety: immutable after construction; unpacking goes through SwapEngine.
 
+#include "hyper_parallel/activation/SavedBytesMeter.h"
 #include "hyper_parallel/activation/StorageRecord.h"
 
 #include <ATen/core/Tensor.h>
@@ -27,7 +28,10 @@ class SavedHandle {
         saved_version_(alias_._version()) {
     record_->alias_refs.fetch_add(1);
   }
-  ~SavedHandle() { record_->alias_refs.fetch_sub(1); }
+  ~SavedHandle() {
+    record_->alias_refs.fetch_sub(1);
+    SavedBytesMeter::note_release();  // its storage may die now (SavedBytesMeter.h)
+  }
   SavedHandle(const SavedHandle&) = delete;
   SavedHandle& operator=(const SavedHandle&) = delete;
 

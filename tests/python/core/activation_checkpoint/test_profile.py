@@ -320,6 +320,10 @@ def test_a_backward_per_pass_is_a_training_step():
                                     candidates=["checkpoint"], repeats=1)
     assert [c.kept_bytes for c in profile.costs["checkpoint"]] == \
         [c.kept_bytes for c in one.costs["checkpoint"]]
+    # and "none"'s peak is one pass's (the meter had added the second pass's saves to the
+    # first's, freed by then: a budget of 0.5 meant the whole of one pass; tester, s24)
+    assert profile.none_peak_bytes == one.none_peak_bytes
+    assert profile.tail_bytes == one.tail_bytes
 
 
 def test_a_forward_without_grad_is_not_a_pass():
