@@ -77,6 +77,9 @@ void bind_planner(py::module_& m) {
     stats["widest_layer"] = r.stats.widest_layer;
     stats["exact"] = r.stats.exact;
     stats["lower_bound_seconds"] = r.stats.lower_bound;  // NaN: none known
+    // min_peak(): no plan peaks below this (bytes); the plan's own peak where it is proven
+    // the least. -1 from solve().
+    stats["least_peak_bound_bytes"] = r.stats.least_peak_bound;
     return py::make_tuple(r.assignment, prediction_dict(r.prediction), stats);
   };
   py::class_<Planner>(m, "Planner", "Exact per-layer strategy optimizer (Planner.h).")

@@ -1,3 +1,4 @@
+#include <array>
 #include "hyper_parallel/planner/Planner.h"
 
 #include "hyper_parallel/common/Macros.h"
@@ -533,7 +534,12 @@ bool Planner::uneven_held(const std::vector<uint64_t>& m) const {
 
 PlanResult Planner::solve(int64_t budget, const std::vector<uint64_t>& allowed,
                           int64_t host_budget) const {
-  PlanResult r = solve_unpolished(budget, allowed, host_budget);
+  return solve_known(budget, allowed, host_budget, nullptr);
+}
+
+PlanResult Planner::solve_known(int64_t budget, const std::vector<uint64_t>& allowed,
+                                int64_t host_budget, const PlanResult* known) const {
+  PlanResult r = solve_unpolished(budget, allowed, host_budget, known);
   // At depth >= 2 the searches minimise the depth-1 time, an upper bound (Planner.h): their
   // optimum is not evaluate()'s (a tester: 6 248 plans marked exact were not optimal). A
   // time tolerance prunes labels within it of dominating, and a byte quantum rounds bytes
@@ -593,7 +599,7 @@ void Planner::polish(PlanResult& r, int64_t budget, const std::vector<uint64_t>&
 }
 
 PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>& allowed,
-                                     int64_t host_budget) const {
+                                     int64_t host_budget, const PlanResult* known) const {
   const std::vector<uint64_t> m = masks(allowed);
   // The time found is the optimum (a lower bound of itself) only where the search is
   // exact: depth <= 1, no tolerance, no byte rounding.
@@ -771,13 +777,34 @@ PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>
   if (!bounded || !a.feasible) {
     // The capped searches found no plan: is there one at all? The memory-only search keeps
     // every label no other holds less than, so it finds one wherever one exists (in a few
-    // milliseconds; the exact search below spent 2 s on 100 layers to find none).
+    // milliseconds; the exact search below spent 2 s on 100 layers to find none). Under a
+    // host budget its fronts hold up to every distinct sum of host bytes (a knapsack; a
+    // tester's 100-layer profile: 3 million labels, 75 s, near the least peak): after
+    // kFallbackMemoryLabels labels it gives up, and the least-peak plan of
+    // least_peak_plan() decides (the budget is met iff that plan's peak is within it; a
+    // budget within its proven gap, 0.03 % on that profile, is refused). min_peak() passes
+    // the plan it found (`known`).
     PlanResult f;
     if (!a.feasible) {
-      f = search(budget, host_budget, m, true, quantum_, 0.0, -1, 0, false, 0, 0);
+      if (known != nullptr) {
+        f = *known;
+        f.stats = SearchStats{};
+      } else {
+        const Cutoff count{nullptr, 0.0, kFallbackMemoryLabels};
+        f = search(budget, host_budget, m, true, quantum_, 0.0, -1, 0, false, 0, 0,
+                   host_budget >= 0 ? &count : nullptr);
+        if (f.stats.overflowed) {
+          a.stats.labels_created += f.stats.labels_created;
+          a.stats.labels_kept += f.stats.labels_kept;
+          f = least_peak_plan(m, host_budget, nullptr);
+        }
+      }
       a.stats.labels_created += f.stats.labels_created;
       a.stats.labels_kept += f.stats.labels_kept;
-      if (!f.feasible) return a;
+      if (!f.feasible || f.prediction.peak_bytes > budget ||
+          (host_budget >= 0 && f.prediction.host_peak_bytes > host_budget)) {
+        return a;
+      }
     }
     // No bound to judge the heuristic by: the exact search up to the full limit; after the
     // memory-only plan, with its objective as the cut-off and the usual limits (the full
@@ -1125,7 +1152,19 @@ double Planner::host_priced_bound(int64_t budget, const std::vector<uint64_t>& a
 }
 
 PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_budget) const {
-  const std::vector<uint64_t> m = masks(allowed);
+  int64_t proven = -1;
+  const PlanResult least = least_peak_plan(masks(allowed), host_budget, &proven);
+  if (!least.feasible) return {};
+  PlanResult r = solve_known(least.prediction.peak_bytes, allowed, host_budget, &least);
+  if (!r.feasible) return r;
+  r.stats.least_peak_bound = std::min(proven, r.prediction.peak_bytes);
+  r.stats.labels_created += least.stats.labels_created;
+  r.stats.labels_kept += least.stats.labels_kept;
+  return r;
+}
+
+PlanResult Planner::least_peak_plan(const std::vector<uint64_t>& m, int64_t host_budget,
+                                    int64_t* proven) const {
   const StepProfile& p = profile_;
   // An upper bound of every plan's peak: each sample point is at most this.
   int64_t hi = p.base_bytes + p.tail_bytes + p.tail_held_bytes;
@@ -1137,27 +1176,50 @@ PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_
     }
     hi += round_up(2 * most, quantum_) + quantum_;
   }
+  PlanResult at_hi;  // a plan of peak hi within the host budget (once one is known)
+  int64_t created = 0, kept = 0;  // labels of every search run
+  auto count = [&](const PlanResult& r) {
+    created += r.stats.labels_created;
+    kept += r.stats.labels_kept;
+  };
+  auto lower_hi = [&](PlanResult r) {
+    if (!r.feasible || (at_hi.feasible && r.prediction.peak_bytes >= hi)) return;
+    hi = std::min(hi, r.prediction.peak_bytes);
+    at_hi = std::move(r);
+  };
   // The memory-only search is exact in bytes (held bytes and shared charges included), so
   // whether it meets a budget is monotone in the budget: a binary search finds the least.
-  // `peak`: the predicted peak of the plan it found (<= b), or -1.
-  auto fits = [&](int64_t b, int64_t* peak = nullptr) {
-    const PlanResult r = search(b, host_budget, m, true, quantum_, 0.0, -1, 0, false, 0, 0);
-    if (peak != nullptr) *peak = r.feasible ? r.prediction.peak_bytes : -1;
-    return r.feasible;
+  // `limit` (< 0: none): the labels it may create before it gives up (overflowed).
+  auto probe = [&](int64_t b, int64_t limit = -1) {
+    const Cutoff cap{nullptr, 0.0, limit};
+    PlanResult r = search(b, host_budget, m, true, quantum_, 0.0, -1, 0, false, 0, 0,
+                          limit >= 0 ? &cap : nullptr);
+    count(r);
+    return r;
   };
   int64_t lo = p.base_bytes - 1;  // infeasible: every plan holds at least base
+  auto done = [&]() {
+    if (proven != nullptr) *proven = lo + 1;
+    at_hi.stats.labels_created = created;
+    at_hi.stats.labels_kept = kept;
+    return at_hi;
+  };
   if (host_budget < 0 || quantum_ > 1) {
-    if (!fits(hi)) return {};
+    lower_hi(probe(hi));
+    if (!at_hi.feasible) return {};
     while (hi - lo > 1) {
       const int64_t mid = lo + (hi - lo) / 2;
-      if (fits(mid)) hi = mid;
+      PlanResult r = probe(mid);
+      if (r.feasible) lower_hi(std::move(r));
       else lo = mid;
     }
-    return solve(hi, allowed, host_budget);
+    return done();
   }
-  // Under a host budget each exact search keeps a (kept, host) front per layer (a tester's
-  // 100-layer, 3-option profile: 50 000 labels, 1.2 s a search; 36 of them took 46 s), so
-  // they are spent only where nothing cheaper decides:
+  // Under a host budget the least peak is a knapsack problem (which saved bytes go to the
+  // host, at most the host budget of them), and each exact search keeps a (kept, host)
+  // front per layer: up to every distinct sum of offloaded bytes (a tester's 100-layer
+  // profile with odd byte counts: 2.9 million labels, 75 s a search). So the exact searches
+  // are spent only where nothing cheaper decides:
   //  * at the top: every plan meets `hi`, so some plan fits iff the least host bytes do;
   //  * below: the least peak without the host budget (searches without the host
   //    dimension, milliseconds each);
@@ -1165,62 +1227,86 @@ PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_
   //    budgets met) or down (relaxations: a budget they miss no plan meets), whose fronts
   //    the grid bounds;
   //  * exact searches last, alternating a probe one byte below the least budget met with
-  //    bisection; each search's plan is the least-peak one of its first final labels, so
-  //    its peak, a budget met, is often well below the probe.
-  // The tester's profile: 1.4 s (46 s before), a second tester's 100-layer one with odd
-  // byte counts 7.7 s (292 s before the first change, 19 s after it).
+  //    bisection, kMinPeakExactLabels labels in all; each search's plan is the least-peak
+  //    one of its first final labels, so its peak, a budget met, is often well below the
+  //    probe. Where they run out, the plan of the least peak found stands, and `proven`
+  //    says how far below it the least may lie (0.03 % on that profile).
+  // The search's lookahead (search()) drops labels that cannot meet both budgets; the
+  // grids and the exact probes far from the least peak are cheap with it.
   int64_t least_host = 0;
-  for (size_t k = 0; k + 1 < p.num_layers(); ++k) {
+  std::vector<int> least_offload(p.num_layers(), 0);
+  for (size_t k = 0; k < p.num_layers(); ++k) {
     int64_t least = -1;
     for (size_t o = 0; o < p.num_options(); ++o) {
       if (!(m[k] >> o & 1)) continue;
       const int64_t off = p.effective(k, o).group_bytes();
-      least = least < 0 ? off : std::min(least, off);
+      if (least < 0 || off < least) {
+        least = off;
+        least_offload[k] = static_cast<int>(o);
+      }
     }
-    least_host += least;
+    if (k + 1 < p.num_layers()) least_host += least;
   }
   if (least_host > host_budget) return {};
   {
-    const PlanResult free = min_peak(allowed, -1);
-    if (free.feasible) lo = std::max(lo, free.prediction.peak_bytes - 1);
+    // The plan of least offload meets the host budget where any plan does: its peak is a
+    // budget met.
+    PlanResult r;
+    r.assignment = least_offload;
+    r.prediction = evaluate(p, r.assignment);
+    r.feasible = r.prediction.host_peak_bytes <= host_budget;
+    if (r.feasible) lower_hi(std::move(r));
+    else lower_hi(probe(hi));
+    if (!at_hi.feasible) return {};
+  }
+  {
+    int64_t free_proven = -1;
+    const PlanResult free = least_peak_plan(m, -1, &free_proven);
+    count(free);
+    if (free.feasible) lo = std::max(lo, free_proven - 1);
   }
   // Rounds on grids of (hi - lo) / kMinPeakGrid bytes: at each midpoint, a search with
   // bytes rounded up (its plans meet both budgets: hi drops to its plan's peak, a budget
   // met) or else one rounded down (relaxed: a budget it cannot meet no plan meets); a
   // midpoint where neither decides (within the rounding, a grid per layer) ends the round,
   // and the next runs on a finer grid, until one search outgrows kMaxExactLabels.
-  int64_t peak = -1;
   for (bool refining = true; refining && hi - lo > 1;) {
     const int64_t grid = (hi - lo) / kMinPeakGrid;
     if (grid <= 1) break;
     const int64_t width = hi - lo;
     while (hi - lo > 1) {
       const int64_t mid = lo + (hi - lo) / 2;
-      const PlanResult up =
-          search(mid, host_budget, m, true, grid, 0.0, kMaxExactLabels, 0, false, 0, 0);
+      PlanResult up = search(mid, host_budget, m, true, grid, 0.0, kMaxExactLabels, 0, false, 0, 0);
+      count(up);
+      const bool up_overflowed = up.stats.overflowed;
       if (up.feasible) {
-        hi = std::min(hi, up.prediction.peak_bytes);
+        lower_hi(std::move(up));
         continue;
       }
       const PlanResult down =
           search(mid, host_budget, m, true, grid, 0.0, kMaxExactLabels, 0, true, 0, 0);
-      if (!down.feasible && !down.stats.overflowed && !up.stats.overflowed) {
+      count(down);
+      if (!down.feasible && !down.stats.overflowed && !up_overflowed) {
         lo = mid;
         continue;
       }
-      refining = !down.stats.overflowed && !up.stats.overflowed && hi - lo < width / 4;
+      refining = !down.stats.overflowed && !up_overflowed && hi - lo < width / 4;
       break;
     }
   }
   // Exact searches last, the probe one byte below hi (a budget met) alternating with
   // bisection: where hi is already the least, the first probe ends the search, and at
   // most twice the bisection's probes are spent.
-  for (bool below = true; hi - lo > 1; below = !below) {
+  int64_t left = kMinPeakExactLabels;
+  for (bool below = true; hi - lo > 1 && left > 0; below = !below) {
     const int64_t mid = below ? hi - 1 : lo + (hi - lo) / 2;
-    if (fits(mid, &peak)) hi = peak;
+    PlanResult r = probe(mid, left);
+    left -= r.stats.labels_created;
+    if (r.stats.overflowed) break;
+    if (r.feasible) lower_hi(std::move(r));
     else lo = mid;
   }
-  return solve(hi, allowed, host_budget);
+  return done();
 }
 
 PlanResult Planner::search(int64_t budget, int64_t host_budget,
@@ -1229,11 +1315,11 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
                            int per_kept, bool relaxed, int64_t bucket,
                            int64_t labels_per_layer, const Cutoff* cutoff) const {
   const StepProfile& p = profile_;
+  PlanResult result;
   const size_t n = p.num_layers(), s = p.num_options();
   const int depth = depth_;
   const bool exposed = p.prefetch_depth == 0;  // every reload waits in full
   const int64_t host_cap = host_budget < 0 ? std::numeric_limits<int64_t>::max() : host_budget;
-  PlanResult result;
   if (budget < p.base_bytes) return result;
   uint64_t keep_mod = 1;  // radix^(depth - 1): the digits that survive one shift
   for (int i = 1; i < depth; ++i) keep_mod *= radix_;
@@ -1276,6 +1362,54 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
       }
     }
   }
+  // Lookahead (necessary conditions, so every search may drop a label failing them): the
+  // layers after k add at least need[k] kept bytes before some sample point (each later
+  // layer keeps at least its least kept bytes, and one of them also holds its own offload
+  // at the end of its forward; or the tail at the end of the forward) and at least
+  // host_need[k] host bytes; and for a price l of host bytes in kept bytes, at least
+  // priced[k][i] = sum over the later layers of min(kept + l_i x offload) of the two,
+  // priced, against the end of the forward's room plus l_i x the host budget (Lagrangian
+  // relaxation of the two budgets). Without them, memory-only searches under a binding
+  // host budget kept (kept, host) fronts of 3 million labels (a tester's 100-layer
+  // profile: 270 s a search).
+  std::vector<int64_t> need(n, p.tail_bytes), host_need(n, 0);
+  std::vector<std::array<double, kLookaheadPrices>> priced(n);
+  priced[n - 1].fill(0.0);
+  for (size_t k = n - 1; k-- > 0;) {
+    int64_t least_kept = -1, least_local = -1, least_off = -1;
+    std::array<double, kLookaheadPrices> least_priced;
+    least_priced.fill(kInf);
+    for (size_t o = 0; o < s; ++o) {
+      if (!(allowed[k + 1] >> o & 1)) continue;
+      const OptionCost c = p.effective(k + 1, o);
+      const int64_t off = c.group_bytes();
+      least_kept = least_kept < 0 ? c.kept_bytes : std::min(least_kept, c.kept_bytes);
+      least_local = least_local < 0 ? c.kept_bytes + off : std::min(least_local, c.kept_bytes + off);
+      least_off = least_off < 0 ? off : std::min(least_off, off);
+      for (int i = 0; i < kLookaheadPrices; ++i) {
+        least_priced[i] = std::min(least_priced[i], static_cast<double>(c.kept_bytes) +
+                                                        kLookaheadPrice[i] * static_cast<double>(off));
+      }
+    }
+    need[k] = std::max(least_local, least_kept + need[k + 1]);
+    host_need[k] = host_need[k + 1] + least_off;
+    for (int i = 0; i < kLookaheadPrices; ++i) priced[k][i] = priced[k + 1][i] + least_priced[i];
+  }
+  // The room of the end of the forward for kept bytes (the last layer's sample point).
+  const double forward_room = static_cast<double>(budget - p.base_bytes - p.tail_bytes);
+  auto completes = [&](size_t k, int64_t kept, int64_t host) {
+    if (p.base_bytes + kept + need[k] > budget) return false;
+    if (host_budget < 0) return true;
+    if (host + host_need[k] > host_cap) return false;
+    for (int i = 0; i < kLookaheadPrices; ++i) {
+      if (static_cast<double>(kept) + kLookaheadPrice[i] * static_cast<double>(host) +
+              priced[k][i] >
+          forward_room + kLookaheadPrice[i] * static_cast<double>(host_cap) + 0.5) {
+        return false;
+      }
+    }
+    return true;
+  };
   // Per layer: the least forward time and the least work (forward + backward) left from
   // it on, over its allowed options; a backlog that these surely drain is as good as none.
   std::vector<double> min_fwd(n + 1, 0.0), rest(n + 1, p.tail_seconds);
@@ -1391,6 +1525,7 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
         }
         if (last && held + kept + p.tail_bytes > budget) continue;       // end of forward
         if (base.host + off > host_cap) continue;
+        if (!last && !completes(k, base.kept + kept, base.host + off)) continue;
         // Host bytes matter only under a host budget (otherwise they would split fronts).
         // Relaxed: bytes rounded down and no D2H backlog (a lower bound, Planner.h).
         const auto round = relaxed ? round_down : round_up;
@@ -1522,7 +1657,7 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
       result.stats.overflowed = true;
       return result;
     }
-    if (cutoff != nullptr && result.stats.labels_created > kCutScanFloor &&
+    if (cutoff != nullptr && cutoff->rest != nullptr && result.stats.labels_created > kCutScanFloor &&
         visited > kCutScanPerLabel * result.stats.labels_created) {
       result.stats.overflowed = true;
       return result;

@@ -220,6 +220,10 @@ struct SearchStats {
   // optimum of the relaxation (see solve()); NaN where none is known (depth >= 2, a time
   // tolerance, or a byte quantum where the first search answered).
   double lower_bound = 0.0;
+  // min_peak(): a proven lower bound (bytes) of the least peak any plan reaches within the
+  // host budget; the plan's own peak where it is proven the least (always without a host
+  // budget). -1 from solve().
+  int64_t least_peak_bound = -1;
 };
 
 // Labels one layer of the exact search may keep before solve() falls back.
@@ -253,6 +257,11 @@ inline constexpr int64_t kCutScanFloor = 20000;
 // min_peak() under a host budget: its relaxations' grid, (upper - lower bound) / this; and
 // the final labels of a memory-only search whose plans it evaluates for the least peak.
 inline constexpr int64_t kMinPeakGrid = 4096;
+// ... the labels its exact probes under a host budget may create in all (about 2 s), and
+// those solve()'s memory-only fallback search may create under one before least_peak_plan()
+// decides.
+inline constexpr int64_t kMinPeakExactLabels = 8000000;
+inline constexpr int64_t kFallbackMemoryLabels = 4000000;
 inline constexpr size_t kPeakCandidates = 256;
 // solve()'s deepening: the labels its exact searches may create in all, the first
 // cut-off's distance above the lower bound (the gap to the plan known / this), and the
@@ -265,6 +274,11 @@ inline constexpr double kDeepeningGrowth = 2.0;
 inline constexpr double kDeepeningGap = 0.01;
 // ... and the most labels one layer of them may keep.
 inline constexpr int64_t kDeepeningWidest = 250000;
+// search()'s lookahead under a host budget: the prices of a host byte in kept bytes at
+// which it checks that the layers left can still meet both budgets (Planner.cpp); kept and
+// offloaded bytes trade about 1:1 between the strategies, so prices around 1.
+inline constexpr int kLookaheadPrices = 7;
+inline constexpr double kLookaheadPrice[kLookaheadPrices] = {0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0};
 // Golden-section steps of host_priced_bound()'s price search.
 inline constexpr int kHostPriceSteps = 24;
 
@@ -291,7 +305,11 @@ class Planner {
   // stats.exact = false (true when the bound proves the plan optimal), and
   // stats.lower_bound (at depth <= 1) is the relaxation's optimum, a proven bound of its
   // loss. At depth >= 2 or with a tolerance the exact search is retried up to
-  // kMaxExactLabels alone (no bound to judge the heuristic by).
+  // kMaxExactLabels alone (no bound to judge the heuristic by). Under a host budget,
+  // where the capped searches find no plan and the memory-only search outgrows
+  // kFallbackMemoryLabels, the least-peak plan min_peak() would find decides: a budget at
+  // or above its peak is met, one in the proven gap below it (a fraction of a percent) is
+  // refused.
   // `allowed[k]` (optional, one bit per option) restricts the options of layer k.
   PlanResult solve(int64_t budget_bytes, const std::vector<uint64_t>& allowed = {},
                    int64_t host_budget_bytes = -1) const;
@@ -306,10 +324,12 @@ class Planner {
   // 1.2 s each), so the least peak without the host budget and searches on a byte grid
   // (bytes rounded down, and up) bound it from below and the peaks of the plans found from
   // above, and exact searches run only between (Planner.cpp): that profile takes 1.4 s
-  // (46 s before); a second tester's, 100 layers of odd byte counts, 7.7 s (292 s). Not
-  // yet bounded: a third tester's 100-layer profile under a 64 MiB host budget ran for
-  // minutes in solve() at the least peak (its memory-only fallback, unlimited so that no
-  // budget met is refused, kept fronts of 3 million labels).
+  // (46 s before); a second tester's, 100 layers of odd byte counts, 7.7 s (292 s). The
+  // least peak under a host budget is a knapsack problem: the exact probes stop after
+  // kMinPeakExactLabels labels, and then the least peak found stands, with
+  // stats.least_peak_bound the proven bound below it (a third tester's 100-layer profile
+  // of odd byte counts, 64 MiB host: 2.2 s, from minutes; 0.08 % apart). Without a host
+  // budget, and where the probes finish, the bound is the plan's peak.
   PlanResult min_peak(const std::vector<uint64_t>& allowed = {},
                       int64_t host_budget_bytes = -1) const;
 
@@ -334,9 +354,20 @@ class Planner {
   const StepProfile& profile() const { return profile_; }
 
  private:
-  // solve() before polish().
+  // solve() with a plan known to meet both budgets (or null): where the searches find
+  // none, it stands in for the memory-only search's.
+  PlanResult solve_known(int64_t budget_bytes, const std::vector<uint64_t>& allowed,
+                         int64_t host_budget_bytes, const PlanResult* known) const;
+  // solve_known() before polish().
   PlanResult solve_unpolished(int64_t budget_bytes, const std::vector<uint64_t>& allowed,
-                              int64_t host_budget_bytes) const;
+                              int64_t host_budget_bytes, const PlanResult* known) const;
+  // The memory-only plan of least peak within the host budget (< 0: unbounded) that the
+  // searches find, `m` from masks(); feasible = false when no plan meets the host budget.
+  // *proven (optional): a proven lower bound of the least peak, the plan's own peak where
+  // it is proven least (Planner.cpp: bisection; under a host budget, grids, then exact
+  // probes limited to kMinPeakExactLabels).
+  PlanResult least_peak_plan(const std::vector<uint64_t>& m, int64_t host_budget_bytes,
+                             int64_t* proven) const;
   // Improves a plan the searches did not prove optimal by changing one layer's option at a
   // time while evaluate() finds it faster within both budgets (`allowed`: masks()). In
   // place; O(kPolishPasses x layers^2 x options).

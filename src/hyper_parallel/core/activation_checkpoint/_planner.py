@@ -255,15 +255,23 @@ class InfeasibleBudgetError(ValueError):
             budget, if one was given); ``None`` when no plan meets the host budget.
         plan: the fastest plan at that peak (an :class:`ActivationPlan`), or ``None``.
         host_budget_bytes: the host budget asked for (``None``: unbounded).
+        min_peak_bound_bytes: a proven lower bound of the smallest peak: no plan peaks
+            below it. Equal to ``min_peak_bytes`` where that is proven the least (always
+            without a host budget); under a host budget the least peak is a knapsack
+            problem, whose exact search stops at a label limit (Planner.h, ``min_peak``),
+            and the two may differ by a fraction of a percent.
     """
 
     def __init__(self, message: str, budget_bytes: int, min_peak_bytes: int | None,
-                 plan: ActivationPlan | None, host_budget_bytes: int | None = None) -> None:
+                 plan: ActivationPlan | None, host_budget_bytes: int | None = None,
+                 min_peak_bound_bytes: int | None = None) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.min_peak_bytes = min_peak_bytes
         self.plan = plan
         self.host_budget_bytes = host_budget_bytes
+        self.min_peak_bound_bytes = min_peak_bytes if min_peak_bound_bytes is None \
+            else min_peak_bound_bytes
 
 
 # ------------------------------------------------------------------------ cost model
@@ -482,15 +490,21 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
             int(budget_bytes), None, None, host_budget_bytes)
     plan = _plan(profile, low[0], low[1], budget_bytes, depth, host_budget_bytes, low[2])
     choice = ", ".join(f"{k}: {n}" for k, n in _counts(plan).items())
+    # Under a host budget the least peak is a knapsack problem; where its exact search was
+    # cut off, the least found stands with the proven bound below it (Planner.h, min_peak).
+    bound = int(low[2].get("least_peak_bound_bytes", plan.predicted_peak_bytes))
+    least = "the smallest reachable is" if bound >= plan.predicted_peak_bytes else (
+        f"no plan peaks below {_fmt_bytes(bound)} ({bound} bytes) and the smallest found is")
     raise InfeasibleBudgetError(
         f"hyper_parallel: no plan of the candidates ({', '.join(names)}) keeps the peak of "
         f"saved activations within {_fmt_bytes(budget_bytes)} ({budget_bytes} bytes)"
-        f"{host_text} at prefetch depth {depth}; the smallest reachable is "
+        f"{host_text} at prefetch depth {depth}; {least} "
         f"{_fmt_bytes(plan.predicted_peak_bytes)} ({plan.predicted_peak_bytes} bytes) with "
         f"{choice} (error.plan). Raise the budget"
         + (", raise host_budget_bytes" if host_budget_bytes is not None else "")
         + _more_candidates(names) + ", lower the prefetch depth, or shrink the batch.",
-        int(budget_bytes), plan.predicted_peak_bytes, plan, host_budget_bytes)
+        int(budget_bytes), plan.predicted_peak_bytes, plan, host_budget_bytes,
+        min(bound, plan.predicted_peak_bytes))
 
 
 #: Per-layer strategies from the least device memory to the most (what to suggest).
@@ -681,14 +695,16 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
                                                     host_budget_bytes=host).to_json())
             except InfeasibleBudgetError as err:
                 box[0] = ("infeasible", (str(err), err.budget_bytes, err.min_peak_bytes,
-                                         err.plan.to_json() if err.plan else None, host))
+                                         err.plan.to_json() if err.plan else None, host,
+                                         err.min_peak_bound_bytes))
         dist.broadcast_object_list(box, src=0)
         kind, payload = box[0]
         if kind == "plan":
             return ActivationPlan.from_json(payload)
-        message, asked, low, plan, host_bytes = payload
+        message, asked, low, plan, host_bytes, bound = payload
         raise InfeasibleBudgetError(message, asked, low,
-                                    ActivationPlan.from_json(plan) if plan else None, host_bytes)
+                                    ActivationPlan.from_json(plan) if plan else None, host_bytes,
+                                    bound)
 
     return _closed_loop(budget, decide,
                         lambda plan: _measured(plan, model, step_fn, budget, distributed),

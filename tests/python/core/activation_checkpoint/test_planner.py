@@ -23,7 +23,8 @@ from hyper_parallel.core.activation_checkpoint import (
     remove_activation_memory,
     saved_activation_memory,
 )
-from hyper_parallel.core.activation_checkpoint._planner import plan_from_profile, predict
+from hyper_parallel.core.activation_checkpoint import _planner
+from hyper_parallel.core.activation_checkpoint._planner import _fmt_bytes, plan_from_profile, predict
 from hyper_parallel.core.activation_checkpoint._profile import ActivationProfile
 
 from ._models import Stack, applied_peak, assert_bitwise, grads, twin
@@ -418,6 +419,40 @@ def test_host_budget_infeasible_names_it(profiled):
     assert err.value.plan.predicted_offload_bytes == 0
     with pytest.raises(ValueError, match="host_budget_bytes"):
         prof.plan(budget, host_budget_bytes=-1)
+
+
+def test_an_unproven_least_peak_is_reported_with_its_bound(profiled, monkeypatch):
+    # Under a host budget the least peak is a knapsack problem whose exact search stops at
+    # a label limit (PlannerTest: UnderAHostBudgetTheLeastPeakIsBoundedInWork...): the
+    # error then gives the least found and the proven bound below it, not "the smallest
+    # reachable". (The planner's answer is shifted here; its search is C++'s to test.)
+    _, _, prof = profiled
+    real = _planner._C.Planner
+
+    class Unproven:
+        def __init__(self, *args):
+            self._real = real(*args)
+
+        def solve(self, *args):
+            return self._real.solve(*args)
+
+        def min_peak(self, *args):
+            a, pred, stats = self._real.min_peak(*args)
+            return a, pred, {**stats, "least_peak_bound_bytes": pred["peak_bytes"] - 4096}
+
+    budget = int(0.8 * prof.none_peak_bytes)
+    with pytest.raises(InfeasibleBudgetError) as proven:
+        prof.plan(budget, candidates=["none", "swap"], host_budget_bytes=0)
+    assert "the smallest reachable is" in str(proven.value)
+    assert proven.value.min_peak_bound_bytes == proven.value.min_peak_bytes
+    monkeypatch.setattr(_planner._C, "Planner", Unproven)
+    with pytest.raises(InfeasibleBudgetError) as found:
+        prof.plan(budget, candidates=["none", "swap"], host_budget_bytes=0)
+    err = found.value
+    assert err.min_peak_bytes == proven.value.min_peak_bytes
+    assert err.min_peak_bound_bytes == err.min_peak_bytes - 4096
+    assert f"no plan peaks below {_fmt_bytes(err.min_peak_bound_bytes)} " \
+        f"({err.min_peak_bound_bytes} bytes) and the smallest found is" in str(err)
 
 
 def test_prefetch_depth_is_planned_recorded_and_applied(profiled):
