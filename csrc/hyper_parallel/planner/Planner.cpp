@@ -1204,6 +1204,31 @@ PlanResult Planner::least_peak_plan(const std::vector<uint64_t>& m, int64_t host
     at_hi.stats.labels_kept = kept;
     return at_hi;
   };
+  // Under a host budget, the plan of least offload meets it where any plan does: its peak
+  // is a budget met (with a byte quantum the searches may miss every plan: host bytes are
+  // rounded up per layer).
+  if (host_budget >= 0) {
+    int64_t least_host = 0;
+    std::vector<int> least_offload(p.num_layers(), 0);
+    for (size_t k = 0; k < p.num_layers(); ++k) {
+      int64_t least = -1;
+      for (size_t o = 0; o < p.num_options(); ++o) {
+        if (!(m[k] >> o & 1)) continue;
+        const int64_t off = p.effective(k, o).group_bytes();
+        if (least < 0 || off < least) {
+          least = off;
+          least_offload[k] = static_cast<int>(o);
+        }
+      }
+      if (k + 1 < p.num_layers()) least_host += least;
+    }
+    if (least_host > host_budget) return {};
+    PlanResult r;
+    r.assignment = std::move(least_offload);
+    r.prediction = evaluate(p, r.assignment);
+    r.feasible = r.prediction.host_peak_bytes <= host_budget;
+    lower_hi(std::move(r));
+  }
   if (host_budget < 0 || quantum_ > 1) {
     lower_hi(probe(hi));
     if (!at_hi.feasible) return {};
@@ -1212,6 +1237,20 @@ PlanResult Planner::least_peak_plan(const std::vector<uint64_t>& m, int64_t host
       PlanResult r = probe(mid);
       if (r.feasible) lower_hi(std::move(r));
       else lo = mid;
+    }
+    if (quantum_ > 1) {
+      // Bytes rounded up, a probe that fails proves nothing: the bound is the largest
+      // budget a relaxation (bytes rounded down) misses, by bisection.
+      int64_t none_below = p.base_bytes - 1;
+      for (int64_t top = hi; top - none_below > 1;) {  // (a plan meets hi)
+        const int64_t mid = none_below + (top - none_below) / 2;
+        const PlanResult relaxed =
+            search(mid, host_budget, m, true, quantum_, 0.0, -1, 0, true, 0, 0);
+        count(relaxed);
+        if (relaxed.feasible) top = mid;
+        else none_below = mid;
+      }
+      lo = none_below;
     }
     return done();
   }
@@ -1233,32 +1272,8 @@ PlanResult Planner::least_peak_plan(const std::vector<uint64_t>& m, int64_t host
   //    says how far below it the least may lie (0.03 % on that profile).
   // The search's lookahead (search()) drops labels that cannot meet both budgets; the
   // grids and the exact probes far from the least peak are cheap with it.
-  int64_t least_host = 0;
-  std::vector<int> least_offload(p.num_layers(), 0);
-  for (size_t k = 0; k < p.num_layers(); ++k) {
-    int64_t least = -1;
-    for (size_t o = 0; o < p.num_options(); ++o) {
-      if (!(m[k] >> o & 1)) continue;
-      const int64_t off = p.effective(k, o).group_bytes();
-      if (least < 0 || off < least) {
-        least = off;
-        least_offload[k] = static_cast<int>(o);
-      }
-    }
-    if (k + 1 < p.num_layers()) least_host += least;
-  }
-  if (least_host > host_budget) return {};
-  {
-    // The plan of least offload meets the host budget where any plan does: its peak is a
-    // budget met.
-    PlanResult r;
-    r.assignment = least_offload;
-    r.prediction = evaluate(p, r.assignment);
-    r.feasible = r.prediction.host_peak_bytes <= host_budget;
-    if (r.feasible) lower_hi(std::move(r));
-    else lower_hi(probe(hi));
-    if (!at_hi.feasible) return {};
-  }
+  if (!at_hi.feasible) lower_hi(probe(hi));
+  if (!at_hi.feasible) return {};
   {
     int64_t free_proven = -1;
     const PlanResult free = least_peak_plan(m, -1, &free_proven);

@@ -318,7 +318,9 @@ class Planner {
   // unbounded device budget cannot meet the host budget. Exact in bytes, held bytes and
   // shared charges included (PlannerTest checks it against brute force, with and without
   // a host budget); with a byte quantum > 1, plans within a few quanta of a budget may be
-  // missed. Cost: without a host budget, a memory-only search of milliseconds per step of
+  // missed (the peak found may lie a few quanta above the least; stats.least_peak_bound
+  // is then a relaxation's, bytes rounded down, and where no search meets a host budget
+  // the plan of least offload stands). Cost: without a host budget, a memory-only search of milliseconds per step of
   // the binary search (about 36 for GiB budgets). Under one, each exact search keeps a
   // (kept, host) front per layer (a tester's 100-layer, 3-option profile: 50 000 labels,
   // 1.2 s each), so the least peak without the host budget and searches on a byte grid

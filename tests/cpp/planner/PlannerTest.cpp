@@ -1288,6 +1288,64 @@ TEST(PlannerTest, WithAByteQuantumTheBoundStillHoldsBelowTheOptimum) {
   EXPECT_GT(bounded, 3);
 }
 
+TEST(PlannerTest, WithAByteQuantumMinPeakFindsAPlanWhereOneExistsAndBoundsTheLeast) {
+  // With bytes rounded up per layer the memory-only searches can miss every plan within a
+  // host budget that only exact bytes meet: min_peak() returned none where the least-offload
+  // plan met it. Now that plan stands where the searches find nothing, and the bound is a
+  // relaxation's (bytes rounded down), below brute force's least peak.
+  std::mt19937 rng(77);
+  int checked = 0, bounded_tight = 0;
+  for (int trial = 0; trial < 120; ++trial) {
+    StepProfile p = random_deferred(2 + trial % 4, static_cast<uint32_t>(trial) + 900);
+    p.prefetch_depth = trial % 2;
+    for (auto& layer : p.layers) {
+      for (auto& c : layer) {
+        for (int64_t* b : {&c.kept_bytes, &c.offload_bytes, &c.deferred_bytes}) *b *= 4099;
+      }
+    }
+    p.base_bytes *= 4099;
+    p.tail_bytes *= 4099;
+    const int64_t quantum = 1000 + static_cast<int64_t>(rng() % 30000);
+    const int64_t most_host = evaluate(p, std::vector<int>(p.num_layers(), 1)).host_peak_bytes;
+    const Planner planner(p, quantum);
+    for (double fraction : {0.0, 0.3, 0.7, 1.0}) {
+      const int64_t host = static_cast<int64_t>(fraction * static_cast<double>(most_host));
+      SCOPED_TRACE("trial " + std::to_string(trial) + " quantum " + std::to_string(quantum) +
+                   " host " + std::to_string(host));
+      const int64_t want = brute_force_min_peak(p, host);
+      const PlanResult got = planner.min_peak({}, host);
+      ASSERT_EQ(got.feasible, want >= 0);
+      if (!got.feasible) continue;
+      ++checked;
+      EXPECT_GE(got.prediction.peak_bytes, want);
+      EXPECT_LE(got.prediction.host_peak_bytes, host);
+      EXPECT_EQ(evaluate(p, got.assignment).peak_bytes, got.prediction.peak_bytes);
+      EXPECT_LE(got.stats.least_peak_bound, want);
+      if (got.stats.least_peak_bound == want) ++bounded_tight;
+    }
+  }
+  {
+    // Every option offloads 1001 bytes and the host budget is exactly what any plan
+    // offloads: rounded up to 1000-byte quanta, no search meets it (the case that returned
+    // none).
+    StepProfile p;
+    p.options = {"swap"};
+    p.base_bytes = 100;
+    p.tail_bytes = 50;
+    p.tail_seconds = p.outside_seconds = 0.1;
+    p.d2h = p.h2d = CopyLink{0.0, 1e-6};
+    for (int k = 0; k < 3; ++k) p.layers.push_back({OptionCost{10, 1001, 1.0, 2.0}});
+    const int64_t host = evaluate(p, {0, 0, 0}).host_peak_bytes;
+    const PlanResult got = Planner(p, 1000).min_peak({}, host);
+    ASSERT_TRUE(got.feasible);
+    EXPECT_EQ(got.prediction.peak_bytes, brute_force_min_peak(p, host));
+    EXPECT_LE(got.stats.least_peak_bound, got.prediction.peak_bytes);
+  }
+  std::printf("[planner] byte quantum, min_peak under a host budget: %d checked, %d bounds "
+              "equal to the least\n", checked, bounded_tight);
+  EXPECT_GT(checked, 300);
+}
+
 TEST(PlannerTest, UnderAHostBudgetABudgetAboveOneMetIsMet) {
   // Tester's input (session 22, shrunk from a random profile): 25 layers x 3 options, a
   // host budget. min_peak() met 184 526 663 bytes within it, but solve() at 289 787 835
