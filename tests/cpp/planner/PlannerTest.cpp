@@ -762,6 +762,29 @@ StepProfile random_deferred(size_t n, uint32_t seed) {
   return p;
 }
 
+// Trial `trial` of a fuzz loop: 2-5 random_deferred layers (seed trial + offset), prefetch
+// depth 0 or 1.
+StepProfile trial_profile(int trial, uint32_t offset) {
+  StepProfile p = random_deferred(2 + trial % 4, static_cast<uint32_t>(trial) + offset);
+  p.prefetch_depth = trial % 2;
+  return p;
+}
+
+// Every byte count of `p` times `scale` (odd scales leave the bytes off any small grid, so
+// that the rounded searches run).
+void scale_bytes(StepProfile& p, int64_t scale) {
+  for (auto& layer : p.layers) {
+    for (auto& c : layer) {
+      for (int64_t* b : {&c.kept_bytes, &c.offload_bytes, &c.deferred_bytes, &c.shared_bytes,
+                         &c.held_bytes}) {
+        *b *= scale;
+      }
+    }
+  }
+  p.base_bytes *= scale;
+  p.tail_bytes *= scale;
+}
+
 // min_peak() and solve() at 4 budgets from the least peak up to none's, each checked
 // against brute force: exact, feasible and optimal. Returns the solves checked (4).
 int expect_exact_against_brute_force(const StepProfile& p) {
@@ -1296,15 +1319,8 @@ TEST(PlannerTest, WithAByteQuantumMinPeakFindsAPlanWhereOneExistsAndBoundsTheLea
   std::mt19937 rng(77);
   int checked = 0, bounded_tight = 0;
   for (int trial = 0; trial < 120; ++trial) {
-    StepProfile p = random_deferred(2 + trial % 4, static_cast<uint32_t>(trial) + 900);
-    p.prefetch_depth = trial % 2;
-    for (auto& layer : p.layers) {
-      for (auto& c : layer) {
-        for (int64_t* b : {&c.kept_bytes, &c.offload_bytes, &c.deferred_bytes}) *b *= 4099;
-      }
-    }
-    p.base_bytes *= 4099;
-    p.tail_bytes *= 4099;
+    StepProfile p = trial_profile(trial, 900);
+    scale_bytes(p, 4099);
     const int64_t quantum = 1000 + static_cast<int64_t>(rng() % 30000);
     const int64_t most_host = evaluate(p, std::vector<int>(p.num_layers(), 1)).host_peak_bytes;
     const Planner planner(p, quantum);
@@ -1414,21 +1430,14 @@ TEST(PlannerTest, MinPeakUnderAHostBudgetIsBruteForces) {
   std::mt19937 rng(31);
   int checked = 0, refused = 0;
   for (int trial = 0; trial < 240; ++trial) {
-    StepProfile p = random_deferred(2 + trial % 4, static_cast<uint32_t>(trial) + 500);
-    p.prefetch_depth = trial % 2;
-    const int64_t scale = trial % 3 == 0 ? 1 : 4099;
+    StepProfile p = trial_profile(trial, 500);
     for (auto& layer : p.layers) {
       for (auto& c : layer) {
         if (rng() % 3 == 0) c.held_bytes = static_cast<int64_t>(rng() % 3) * c.kept_bytes / 2;
         if (rng() % 4 == 0) c.shared_bytes = 40 * static_cast<int64_t>(rng() % 3);
-        for (int64_t* b : {&c.kept_bytes, &c.offload_bytes, &c.deferred_bytes, &c.shared_bytes,
-                           &c.held_bytes}) {
-          *b *= scale;
-        }
       }
     }
-    p.base_bytes *= scale;
-    p.tail_bytes *= scale;
+    scale_bytes(p, trial % 3 == 0 ? 1 : 4099);
     if (trial % 4 == 3) {  // only the options that offload (some host budgets are refused)
       p.options = {p.options[1], p.options[3]};
       for (auto& layer : p.layers) layer = {layer[1], layer[3]};

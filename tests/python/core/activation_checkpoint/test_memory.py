@@ -26,6 +26,13 @@ def _model(wrap=None):
     return nn.Sequential(*layers)
 
 
+def _peak(step):
+    """The meter's peak (bytes) over ``step()``."""
+    with saved_activation_memory() as meter:
+        step()
+    return meter.peak_bytes
+
+
 def _micro_batches(model, n):
     torch.manual_seed(1)
     for _ in range(n):
@@ -35,49 +42,46 @@ def _micro_batches(model, n):
 @pytest.mark.parametrize("wrap", [None, checkpoint_wrapper], ids=["none", "checkpoint"])
 def test_micro_batches_count_one_at_a_time(wrap):
     model = _model(wrap)
-    with saved_activation_memory() as one:
-        _micro_batches(model, 1)
-    with saved_activation_memory() as four:
-        _micro_batches(model, 4)
-    assert one.peak_bytes > 0
-    assert four.peak_bytes == one.peak_bytes
+    one = _peak(lambda: _micro_batches(model, 1))
+    assert one > 0
+    assert _peak(lambda: _micro_batches(model, 4)) == one
 
 
 @pytest.mark.filterwarnings("ignore:hyper_parallel. swap region:UserWarning")
 def test_micro_batches_under_swap_count_one_at_a_time(cpu_swap, dev):
     model = _model(swap_wrapper).to(dev)
     x = torch.randn(16, 32, device=dev)
-    with saved_activation_memory() as one:
-        model(x).sum().backward()
-    with saved_activation_memory() as three:
-        for _ in range(3):
+
+    def passes(n):
+        for _ in range(n):
             model(x).sum().backward()
-    assert three.peak_bytes == one.peak_bytes
+
+    assert _peak(lambda: passes(3)) == _peak(lambda: passes(1))
 
 
 def test_a_dropped_graph_leaves_the_total_before_the_next_forward():
     model = _model()
     x = torch.randn(16, 32)
-    with saved_activation_memory() as one:
-        model(x).sum().backward()
-    with saved_activation_memory() as meter:
+
+    def dropped_then_trained():
         logged = model(x).sum()  # a forward whose graph is dropped unused
         del logged
         gc.collect()
         model(x).sum().backward()
-    assert meter.peak_bytes == one.peak_bytes
+
+    assert _peak(dropped_then_trained) == _peak(lambda: model(x).sum().backward())
 
 
 def test_a_retained_graph_still_counts():
     # retain_graph keeps every saved tensor: the next forward adds to them.
     model = _model()
     x = torch.randn(16, 32)
-    with saved_activation_memory() as one:
-        model(x).sum().backward()
-    with saved_activation_memory() as meter:
+
+    def retained_then_trained():
         loss = model(x).sum()
         loss.backward(retain_graph=True)
         model(x).sum().backward()
-        del loss
+
+    one = _peak(lambda: model(x).sum().backward())
     # the input x is shared by both forwards' first layer, so not quite twice
-    assert one.peak_bytes < meter.peak_bytes <= 2 * one.peak_bytes
+    assert one < _peak(retained_then_trained) <= 2 * one
