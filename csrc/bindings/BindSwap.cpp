@@ -137,7 +137,11 @@ struct DTensorHandle {
 struct SavedPassThrough {
   SavedPassThrough(py::object held, c10::VariableVersion counter, uint32_t at_pack)
       : tensor(std::move(held)), version(std::move(counter)), saved_version(at_pack) {}
-  ~SavedPassThrough() { SavedBytesMeter::note_release(); }
+  ~SavedPassThrough() {
+    if (!tensor || !THPVariable_Check(tensor.ptr())) return;
+    const at::Tensor& t = THPVariable_Unpack(tensor.ptr());
+    if (has_plain_storage(t)) SavedBytesMeter::note_release(t.storage().unsafeGetStorageImpl());
+  }
   SavedPassThrough(const SavedPassThrough&) = delete;
   SavedPassThrough& operator=(const SavedPassThrough&) = delete;
 

@@ -15,8 +15,37 @@ void SavedBytesMeter::set_active(SavedBytesMeter* meter) {
   g_active.store(meter, std::memory_order_release);
 }
 
-void SavedBytesMeter::note_release() noexcept {
-  if (SavedBytesMeter* meter = active()) meter->stale_.store(true, std::memory_order_relaxed);
+void SavedBytesMeter::note_release(const c10::StorageImpl* storage) noexcept {
+  SavedBytesMeter* meter = active();
+  if (meter == nullptr) return;
+  std::lock_guard<std::mutex> lock(meter->mu_);
+  try {
+    meter->suspects_.push_back(storage);
+  } catch (...) {  // (out of memory) every entry is checked instead
+    meter->recount_all_ = true;
+  }
+}
+
+void SavedBytesMeter::settle_locked() {
+  if (recount_all_ || suspects_.size() > seen_.size()) {
+    recount_locked();
+    return;
+  }
+  // A released storage still alive (the caller holds it) is watched until it dies.
+  watch_.insert(suspects_.begin(), suspects_.end());
+  suspects_.clear();
+  for (auto w = watch_.begin(); w != watch_.end();) {
+    auto it = seen_.find(*w);
+    if (it == seen_.end()) {
+      w = watch_.erase(w);
+    } else if (it->second.storage.expired()) {
+      running_ -= it->second.counted;
+      seen_.erase(it);
+      w = watch_.erase(w);
+    } else {
+      ++w;
+    }
+  }
 }
 
 void SavedBytesMeter::observe(const at::Tensor& t) {
@@ -29,7 +58,7 @@ void SavedBytesMeter::observe(const at::Tensor& t) {
   const c10::Storage& storage = t.storage();
   const c10::StorageImpl* key = storage.unsafeGetStorageImpl();
   std::lock_guard<std::mutex> lock(mu_);
-  if (stale_.exchange(false, std::memory_order_relaxed)) recount_locked();
+  if (recount_all_ || !suspects_.empty()) settle_locked();
   auto it = seen_.find(key);
   if (it != seen_.end() && !it->second.storage.expired()) {
     Seen& s = it->second;
@@ -39,22 +68,26 @@ void SavedBytesMeter::observe(const at::Tensor& t) {
     }
     return;
   }
-  seen_.insert_or_assign(key, Seen{storage.getWeakStorageImpl(), epoch_, 0});
-  running_ += static_cast<int64_t>(storage.nbytes());
+  const auto bytes = static_cast<int64_t>(storage.nbytes());
+  if (it != seen_.end()) running_ -= it->second.counted;  // a dead storage's address, reused
+  seen_.insert_or_assign(key, Seen{storage.getWeakStorageImpl(), epoch_, 0, bytes});
+  running_ += bytes;
   if (running_ > peak_) peak_ = running_;
 }
 
 int64_t SavedBytesMeter::sample() {
   std::lock_guard<std::mutex> lock(mu_);
-  stale_.store(false, std::memory_order_relaxed);
   return recount_locked();
 }
 
 int64_t SavedBytesMeter::recount_locked() {
+  suspects_.clear();
+  recount_all_ = false;
   int64_t total = 0;
   for (auto it = seen_.begin(); it != seen_.end();) {
     if (auto strong = it->second.storage.lock()) {
-      total += static_cast<int64_t>(strong->nbytes());
+      it->second.counted = static_cast<int64_t>(strong->nbytes());
+      total += it->second.counted;
       ++it;
     } else {
       it = seen_.erase(it);
@@ -78,6 +111,9 @@ int64_t SavedBytesMeter::observed_storages() const {
 void SavedBytesMeter::reset() {
   std::lock_guard<std::mutex> lock(mu_);
   seen_.clear();
+  suspects_.clear();
+  watch_.clear();
+  recount_all_ = false;
   running_ = 0;
   peak_ = 0;
   epoch_ = 0;

@@ -6,14 +6,21 @@
 // reports 0, a reloaded one its full size, a dead one nothing. The peak is the largest
 // sample. Parameters and views of parameters are not activations and are ignored.
 // Samples are taken by observe() (incrementally: + the new storage's bytes) and by
-// sample() (exactly). A saved storage dies only after what its pack hook returned is
-// released (autograd frees a node's saved tensors after its backward, or with a graph
-// dropped unused), and the engine frees device memory in place only at region
-// boundaries, where the Python layer samples. So the pack hooks' saved objects call
-// note_release() when destroyed, and the next observe() recounts exactly first: a
-// storage freed between two forwards (the backward of one gradient-accumulation
-// micro-batch before the next one's forward) leaves the total before the next one is
-// added. The forward itself stays O(1) per saved tensor (nothing is released in it).
+// sample() (exactly: every observed storage). A saved storage dies only after what its
+// pack hook returned is released (autograd frees a node's saved tensors after its
+// backward, or with a graph dropped unused), and the engine frees device memory in place
+// only at region boundaries, where the Python layer samples. So the pack hooks' saved
+// objects name their storage to note_release() when destroyed, and the next observe()
+// first takes those of them that died out of the total (a released storage still alive is
+// watched, and taken out once it dies): a storage freed between two
+// forwards (the backward of one gradient-accumulation micro-batch before the next one's
+// forward) leaves it before the next one is added. O(1) per saved tensor and per release
+// (a tester's 8 000-layer forward that dropped a graph per layer: a recount of every
+// storage per release had made it quadratic).
+// A storage counts while it is alive, so one the caller still holds after its backward
+// (a list of micro-batch inputs, the last micro-batch's output in a loop variable) keeps
+// counting: its memory is still allocated, and the planner's cost model counts it so too
+// (held bytes, CostModel.h).
 //
 // Epochs (the planner's profile, docs/design.md "Shared inputs"): begin_epoch(e) with e >= 1
 // tags the storages first observed from then on with e; observing again, in epoch e, a
@@ -31,7 +38,9 @@
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
+#include <vector>
 
 namespace hyper_parallel::activation {
 
@@ -54,21 +63,27 @@ class SavedBytesMeter {
   // The meter PackHooks report to (at most one active at a time), or null.
   static SavedBytesMeter* active();
   static void set_active(SavedBytesMeter* meter);
-  // A saved object (a pass-through or a swap handle) was destroyed: marks the active
-  // meter's running total stale, so its next observe() recounts. Lock-free, noexcept
-  // (called from destructors, on any thread).
-  static void note_release() noexcept;
+  // A saved object (a pass-through or a swap handle) holding `storage` was destroyed: the
+  // active meter checks at its next observe() whether the storage died. noexcept (called
+  // from destructors, on any thread; takes the meter's lock, a leaf lock).
+  static void note_release(const c10::StorageImpl* storage) noexcept;
 
  private:
   // Sums the live observed storages, erases the dead ones, updates the peak. Needs mu_.
   int64_t recount_locked();
+  // Takes the released storages that died out of the running total. Needs mu_.
+  void settle_locked();
 
   mutable std::mutex mu_;
-  std::atomic<bool> stale_{false};
+  std::vector<const c10::StorageImpl*> suspects_;  // note_release() since the last settle
+  // Released storages found alive (held by the caller): checked again at each settle.
+  std::unordered_set<const c10::StorageImpl*> watch_;
+  bool recount_all_ = false;                        // a suspect could not be recorded
   struct Seen {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;
     int first_epoch = 0;
     int last_resaved = 0;  // the last epoch that counted it in resaved_
+    int64_t counted = 0;   // its bytes in running_
   };
   std::unordered_map<const c10::StorageImpl*, Seen> seen_;
   int64_t running_ = 0;

@@ -30,7 +30,10 @@ class SavedHandle {
   }
   ~SavedHandle() {
     record_->alias_refs.fetch_sub(1);
-    SavedBytesMeter::note_release();  // its storage may die now (SavedBytesMeter.h)
+    // its storage may die now (SavedBytesMeter.h)
+    if (alias_.defined() && alias_.has_storage()) {
+      SavedBytesMeter::note_release(alias_.storage().unsafeGetStorageImpl());
+    }
   }
   SavedHandle(const SavedHandle&) = delete;
   SavedHandle& operator=(const SavedHandle&) = delete;

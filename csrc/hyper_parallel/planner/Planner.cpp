@@ -1387,13 +1387,16 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
   // relaxation of the two budgets). Without them, memory-only searches under a binding
   // host budget kept (kept, host) fronts of 3 million labels (a tester's 100-layer
   // profile: 270 s a search).
+  // (In integers: the prices are eighths, so 8 x each side is exact in 128 bits; in
+  // doubles, byte counts above 2^53 lost the plans that meet a budget to the byte.)
+  using Wide = __int128;
   std::vector<int64_t> need(n, p.tail_bytes), host_need(n, 0);
-  std::vector<std::array<double, kLookaheadPrices>> priced(n);
-  priced[n - 1].fill(0.0);
+  std::vector<std::array<Wide, kLookaheadPrices>> priced(n);
+  priced[n - 1].fill(0);
   for (size_t k = n - 1; k-- > 0;) {
     int64_t least_kept = -1, least_local = -1, least_off = -1;
-    std::array<double, kLookaheadPrices> least_priced;
-    least_priced.fill(kInf);
+    std::array<Wide, kLookaheadPrices> least_priced;
+    least_priced.fill(-1);
     for (size_t o = 0; o < s; ++o) {
       if (!(allowed[k + 1] >> o & 1)) continue;
       const OptionCost c = p.effective(k + 1, o);
@@ -1402,8 +1405,8 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
       least_local = least_local < 0 ? c.kept_bytes + off : std::min(least_local, c.kept_bytes + off);
       least_off = least_off < 0 ? off : std::min(least_off, off);
       for (int i = 0; i < kLookaheadPrices; ++i) {
-        least_priced[i] = std::min(least_priced[i], static_cast<double>(c.kept_bytes) +
-                                                        kLookaheadPrice[i] * static_cast<double>(off));
+        const Wide v = Wide{8} * c.kept_bytes + Wide{kLookaheadEighths[i]} * off;
+        if (least_priced[i] < 0 || v < least_priced[i]) least_priced[i] = v;
       }
     }
     need[k] = std::max(least_local, least_kept + need[k + 1]);
@@ -1411,15 +1414,14 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
     for (int i = 0; i < kLookaheadPrices; ++i) priced[k][i] = priced[k + 1][i] + least_priced[i];
   }
   // The room of the end of the forward for kept bytes (the last layer's sample point).
-  const double forward_room = static_cast<double>(budget - p.base_bytes - p.tail_bytes);
+  const Wide forward_room = Wide{8} * (budget - p.base_bytes - p.tail_bytes);
   auto completes = [&](size_t k, int64_t kept, int64_t host) {
     if (p.base_bytes + kept + need[k] > budget) return false;
     if (host_budget < 0) return true;
     if (host + host_need[k] > host_cap) return false;
     for (int i = 0; i < kLookaheadPrices; ++i) {
-      if (static_cast<double>(kept) + kLookaheadPrice[i] * static_cast<double>(host) +
-              priced[k][i] >
-          forward_room + kLookaheadPrice[i] * static_cast<double>(host_cap) + 0.5) {
+      const Wide price = kLookaheadEighths[i];
+      if (Wide{8} * kept + price * host + priced[k][i] > forward_room + price * host_cap) {
         return false;
       }
     }

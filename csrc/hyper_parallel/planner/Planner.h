@@ -218,7 +218,8 @@ struct SearchStats {
   // A proven lower bound of the optimal objective (step seconds + traffic term) within
   // the budgets: the objective itself when the search was exact; after the fallback, the
   // optimum of the relaxation (see solve()); NaN where none is known (depth >= 2, a time
-  // tolerance, or a byte quantum where the first search answered).
+  // tolerance, a byte quantum where the first search answered, or where the capped
+  // searches found no plan and the memory-only search's plan stands, polished).
   double lower_bound = 0.0;
   // min_peak(): a proven lower bound (bytes) of the least peak any plan reaches within the
   // host budget; the plan's own peak where it is proven the least (always without a host
@@ -277,8 +278,9 @@ inline constexpr int64_t kDeepeningWidest = 250000;
 // search()'s lookahead under a host budget: the prices of a host byte in kept bytes at
 // which it checks that the layers left can still meet both budgets (Planner.cpp); kept and
 // offloaded bytes trade about 1:1 between the strategies, so prices around 1.
+// (In eighths: 1/8 .. 8; the check runs in integers.)
 inline constexpr int kLookaheadPrices = 7;
-inline constexpr double kLookaheadPrice[kLookaheadPrices] = {0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0};
+inline constexpr int64_t kLookaheadEighths[kLookaheadPrices] = {1, 2, 4, 8, 16, 32, 64};
 // Golden-section steps of host_priced_bound()'s price search.
 inline constexpr int kHostPriceSteps = 24;
 

@@ -1666,6 +1666,25 @@ TEST(PlannerTest, UnderAHostBudgetTheLeastPeakIsBoundedInWorkAndProvenWithinAGap
   EXPECT_LT(half.stats.labels_created, 5000000);
 }
 
+TEST(PlannerTest, TheLookaheadIsExactForByteCountsAboveDoublePrecision) {
+  // Bytes up to 2^60 are valid; the lookahead's priced sums in doubles rounded by more
+  // than their slack above 2^53, and dropped the only plan, which meets the budget to the
+  // byte (a tester's fuzz at 2^45-2^47 scales: refusals and slower plans called exact).
+  StepProfile p;
+  p.options = {"none"};
+  p.tail_seconds = 0.1;
+  p.layers = {{OptionCost{66786476156391903, 0, 1.0, 2.0}},
+              {OptionCost{48003320551332213, 0, 1.0, 2.0}}};
+  const int64_t budget = evaluate(p, {0, 0}).peak_bytes;
+  const Planner planner(p);
+  for (int64_t host : {int64_t{-1}, int64_t{0}}) {
+    const PlanResult r = planner.solve(budget, {}, host);
+    ASSERT_TRUE(r.feasible) << "host " << host;
+    EXPECT_EQ(r.prediction.peak_bytes, budget);
+  }
+  EXPECT_EQ(planner.min_peak({}, 0).stats.least_peak_bound, budget);
+}
+
 TEST(PlannerTest, HostBudgetOnThirtyLayersStaysSmallAndBounded) {
   // 30 layers x 6 options under a host budget: the host bytes make a second dimension of
   // the fronts. The fallback's bound used to search a byte grid of kept x host bytes

@@ -101,7 +101,12 @@ def saved_activation_memory(framework: str = "torch",
     output a selective checkpoint caches: ours, and torch's own
     (``torch.utils.checkpoint.create_selective_checkpoint_contexts``), so that the two
     compare alike. Tensors that a checkpoint region recomputes are never saved, so they
-    do not count.
+    do not count. A storage counts from its save until it is freed: after the backward
+    that released it, a storage the caller still holds (a list of micro-batch inputs, the
+    last micro-batch's output in a loop variable) keeps counting, since its memory is
+    still allocated; one that is freed leaves the total before the next save is counted,
+    so a step of several gradient-accumulation micro-batches reads one micro-batch's peak
+    plus what the caller holds.
 
     Example::
 

@@ -85,3 +85,48 @@ def test_a_retained_graph_still_counts():
     one = _peak(lambda: model(x).sum().backward())
     # the input x is shared by both forwards' first layer, so not quite twice
     assert one < _peak(retained_then_trained) <= 2 * one
+
+
+def test_what_the_caller_holds_counts_until_it_is_freed():
+    # A storage counts while it is alive (SavedBytesMeter.h): the last micro-batch's output
+    # that the loop variable holds into the next forward counts there, and leaves once the
+    # variable moves on (it had been checked once, alive, at its release, and then stayed
+    # counted: the peak grew with every micro-batch).
+    model = _model()
+    x = torch.randn(16, 32)
+
+    def loop(n):
+        # a graph kept alive throughout (64 saved storages): a backward then releases fewer
+        # saved objects than the meter holds storages, so it checks the released ones alone
+        kept = torch.randn(4, requires_grad=True)
+        for _ in range(64):
+            kept = kept.sin()
+        out = None
+        for _ in range(n):
+            out = model(x)
+            out.pow(2).sum().backward()  # pow saves out
+        del out, kept
+
+    two = _peak(lambda: loop(2))
+    assert two > _peak(lambda: loop(1))  # the held output counts in the second forward
+    assert _peak(lambda: loop(6)) == two
+
+
+def test_graphs_dropped_in_every_layer_leave_the_total():
+    class Logged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, h):
+            h = self.lin(h)
+            h.exp().sum().item()  # a statistic: a graph built and dropped
+            return h
+
+    torch.manual_seed(0)
+    logged = nn.Sequential(*[Logged() for _ in range(8)])
+    plain = nn.Sequential(*[layer.lin for layer in logged])
+    x = torch.randn(16, 32)
+    # one statistic's saved exp() output at a time, not one per layer
+    assert _peak(lambda: logged(x).sum().backward()) == \
+        _peak(lambda: plain(x).sum().backward()) + x.numel() * x.element_size()
