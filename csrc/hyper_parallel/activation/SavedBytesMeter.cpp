@@ -4,6 +4,8 @@
 
 #include <c10/core/Storage.h>
 
+#include <iterator>
+
 namespace hyper_parallel::activation {
 
 namespace {
@@ -28,12 +30,26 @@ void SavedBytesMeter::note_release(const c10::StorageImpl* storage) noexcept {
 
 void SavedBytesMeter::settle_locked() {
   if (recount_all_ || suspects_.size() > seen_.size()) {
-    recount_locked();
+    recount_locked();  // (as cheap, and it checks every storage)
     return;
   }
-  // A released storage still alive (the caller holds it) is watched until it dies.
-  watch_.insert(suspects_.begin(), suspects_.end());
+  // A released storage still alive (the caller holds it) is watched until it dies. The
+  // watch is checked at every settle while it is short (kWatchAlways), else once per as
+  // many observes as it holds: a caller that keeps every released storage (a tester: a
+  // detached copy of each layer's dropped statistic) made a check per release quadratic.
+  for (const c10::StorageImpl* key : suspects_) {
+    auto it = seen_.find(key);
+    if (it == seen_.end()) continue;
+    if (it->second.storage.expired()) {
+      running_ -= it->second.counted;
+      seen_.erase(it);
+    } else {
+      watch_.insert(key);
+    }
+  }
   suspects_.clear();
+  if (watch_.size() > kWatchAlways && observes_since_watch_ < watch_.size()) return;
+  observes_since_watch_ = 0;
   for (auto w = watch_.begin(); w != watch_.end();) {
     auto it = seen_.find(*w);
     if (it == seen_.end()) {
@@ -58,6 +74,7 @@ void SavedBytesMeter::observe(const at::Tensor& t) {
   const c10::Storage& storage = t.storage();
   const c10::StorageImpl* key = storage.unsafeGetStorageImpl();
   std::lock_guard<std::mutex> lock(mu_);
+  ++observes_since_watch_;
   if (recount_all_ || !suspects_.empty()) settle_locked();
   auto it = seen_.find(key);
   if (it != seen_.end() && !it->second.storage.expired()) {
@@ -81,8 +98,6 @@ int64_t SavedBytesMeter::sample() {
 }
 
 int64_t SavedBytesMeter::recount_locked() {
-  suspects_.clear();
-  recount_all_ = false;
   int64_t total = 0;
   for (auto it = seen_.begin(); it != seen_.end();) {
     if (auto strong = it->second.storage.lock()) {
@@ -93,6 +108,18 @@ int64_t SavedBytesMeter::recount_locked() {
       it = seen_.erase(it);
     }
   }
+  // The released storages still counted (alive) are watched from now on.
+  if (recount_all_) {
+    // (a release went unrecorded: every storage is watched)
+    for (const auto& kv : seen_) watch_.insert(kv.first);
+    recount_all_ = false;
+  }
+  watch_.insert(suspects_.begin(), suspects_.end());
+  suspects_.clear();
+  for (auto w = watch_.begin(); w != watch_.end();) {
+    w = seen_.count(*w) != 0 ? std::next(w) : watch_.erase(w);
+  }
+  observes_since_watch_ = 0;
   running_ = total;
   if (total > peak_) peak_ = total;
   return total;

@@ -16,7 +16,9 @@
 // forwards (the backward of one gradient-accumulation micro-batch before the next one's
 // forward) leaves it before the next one is added. O(1) per saved tensor and per release
 // (a tester's 8 000-layer forward that dropped a graph per layer: a recount of every
-// storage per release had made it quadratic).
+// storage per release had made it quadratic), amortized where the caller holds more
+// than kWatchAlways released storages: those are checked once per as many observes, so
+// one that dies may count until then.
 // A storage counts while it is alive, so one the caller still holds after its backward
 // (a list of micro-batch inputs, the last micro-batch's output in a loop variable) keeps
 // counting: its memory is still allocated, and the planner's cost model counts it so too
@@ -76,8 +78,11 @@ class SavedBytesMeter {
 
   mutable std::mutex mu_;
   std::vector<const c10::StorageImpl*> suspects_;  // note_release() since the last settle
-  // Released storages found alive (held by the caller): checked again at each settle.
+  // Released storages found alive (held by the caller): checked again at each settle
+  // while at most kWatchAlways, else once per watch_.size() observes (amortized O(1)).
+  static constexpr size_t kWatchAlways = 256;
   std::unordered_set<const c10::StorageImpl*> watch_;
+  size_t observes_since_watch_ = 0;
   bool recount_all_ = false;                        // a suspect could not be recorded
   struct Seen {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;

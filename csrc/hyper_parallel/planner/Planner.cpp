@@ -1,9 +1,9 @@
-#include <array>
 #include "hyper_parallel/planner/Planner.h"
 
 #include "hyper_parallel/common/Macros.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <iterator>
 #include <limits>
@@ -782,7 +782,7 @@ PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>
     // tester's 100-layer profile: 3 million labels, 75 s, near the least peak): after
     // kFallbackMemoryLabels labels it gives up, and the least-peak plan of
     // least_peak_plan() decides (the budget is met iff that plan's peak is within it; a
-    // budget within its proven gap, 0.03 % on that profile, is refused). min_peak() passes
+    // budget within its proven gap, 0.08 % on that profile, is refused). min_peak() passes
     // the plan it found (`known`).
     PlanResult f;
     if (!a.feasible) {

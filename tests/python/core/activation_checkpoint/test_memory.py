@@ -87,7 +87,8 @@ def test_a_retained_graph_still_counts():
     assert one < _peak(retained_then_trained) <= 2 * one
 
 
-def test_what_the_caller_holds_counts_until_it_is_freed():
+@pytest.mark.parametrize("kept_graph", [False, True], ids=["recounted", "watched"])
+def test_what_the_caller_holds_counts_until_it_is_freed(kept_graph):
     # A storage counts while it is alive (SavedBytesMeter.h): the last micro-batch's output
     # that the loop variable holds into the next forward counts there, and leaves once the
     # variable moves on (it had been checked once, alive, at its release, and then stayed
@@ -98,8 +99,9 @@ def test_what_the_caller_holds_counts_until_it_is_freed():
     def loop(n):
         # a graph kept alive throughout (64 saved storages): a backward then releases fewer
         # saved objects than the meter holds storages, so it checks the released ones alone
+        # (without it, more: it recounts every storage)
         kept = torch.randn(4, requires_grad=True)
-        for _ in range(64):
+        for _ in range(64 if kept_graph else 0):
             kept = kept.sin()
         out = None
         for _ in range(n):
