@@ -829,6 +829,15 @@ PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>
       f.stats.exact = false;
       f.stats.objective = f_objective;
       f.stats.lower_bound = std::numeric_limits<double>::quiet_NaN();
+      if (bounded) {
+        // Its bound, as below without the grid search: the relaxation (host-priced under a
+        // host budget) or what the cut-off searches proved, the larger (it had been left
+        // NaN at depth <= 1 too; tester).
+        double low = host_budget < 0 ? relaxed_bound(budget, m)
+                                     : host_priced_bound(budget, m, host_budget);
+        if (std::isfinite(proven)) low = std::isfinite(low) ? std::max(low, proven) : proven;
+        if (std::isfinite(low)) f.stats.lower_bound = std::min(low, f_objective);
+      }
       return f;
     }
     return a;

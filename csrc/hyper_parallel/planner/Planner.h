@@ -218,8 +218,7 @@ struct SearchStats {
   // A proven lower bound of the optimal objective (step seconds + traffic term) within
   // the budgets: the objective itself when the search was exact; after the fallback, the
   // optimum of the relaxation (see solve()); NaN where none is known (depth >= 2, a time
-  // tolerance, a byte quantum where the first search answered, or where the capped
-  // searches found no plan and the memory-only search's plan stands, polished).
+  // tolerance, or a byte quantum where the first search answered).
   double lower_bound = 0.0;
   // min_peak(): a proven lower bound (bytes) of the least peak any plan reaches within the
   // host budget; the plan's own peak where it is proven the least (always without a host

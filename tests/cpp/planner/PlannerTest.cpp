@@ -1660,6 +1660,9 @@ TEST(PlannerTest, UnderAHostBudgetTheLeastPeakIsBoundedInWorkAndProvenWithinAGap
   ASSERT_TRUE(at.feasible);
   EXPECT_LE(at.prediction.peak_bytes, peak);
   EXPECT_LE(at.prediction.host_peak_bytes, host);
+  // Its bound is known (it was NaN where the memory-only plan stood; tester), and holds.
+  ASSERT_TRUE(std::isfinite(at.stats.lower_bound));
+  EXPECT_LE(at.stats.lower_bound, objective_of(at) * (1 + 1e-12));
   // Far below the least peak the lookahead refuses at once.
   const PlanResult half = planner.solve(peak / 2, {}, host);
   EXPECT_FALSE(half.feasible);
