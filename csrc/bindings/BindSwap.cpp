@@ -138,7 +138,9 @@ struct SavedPassThrough {
   SavedPassThrough(py::object held, c10::VariableVersion counter, uint32_t at_pack)
       : tensor(std::move(held)), version(std::move(counter)), saved_version(at_pack) {}
   ~SavedPassThrough() {
-    if (!tensor || !THPVariable_Check(tensor.ptr())) return;
+    if (SavedBytesMeter::active() == nullptr || !tensor || !THPVariable_Check(tensor.ptr())) {
+      return;  // (per saved tensor: no meter, no work)
+    }
     const at::Tensor& t = THPVariable_Unpack(tensor.ptr());
     if (has_plain_storage(t)) SavedBytesMeter::note_release(t.storage().unsafeGetStorageImpl());
   }

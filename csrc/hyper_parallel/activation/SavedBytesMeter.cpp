@@ -38,30 +38,23 @@ void SavedBytesMeter::settle_locked() {
   // many observes as it holds: a caller that keeps every released storage (a tester: a
   // detached copy of each layer's dropped statistic) made a check per release quadratic.
   for (const c10::StorageImpl* key : suspects_) {
-    auto it = seen_.find(key);
-    if (it == seen_.end()) continue;
-    if (it->second.storage.expired()) {
-      running_ -= it->second.counted;
-      seen_.erase(it);
-    } else {
-      watch_.insert(key);
-    }
+    if (keep_if_alive_locked(key)) watch_.insert(key);
   }
   suspects_.clear();
   if (watch_.size() > kWatchAlways && observes_since_watch_ < watch_.size()) return;
   observes_since_watch_ = 0;
   for (auto w = watch_.begin(); w != watch_.end();) {
-    auto it = seen_.find(*w);
-    if (it == seen_.end()) {
-      w = watch_.erase(w);
-    } else if (it->second.storage.expired()) {
-      running_ -= it->second.counted;
-      seen_.erase(it);
-      w = watch_.erase(w);
-    } else {
-      ++w;
-    }
+    w = keep_if_alive_locked(*w) ? std::next(w) : watch_.erase(w);
   }
+}
+
+bool SavedBytesMeter::keep_if_alive_locked(const c10::StorageImpl* key) {
+  auto it = seen_.find(key);
+  if (it == seen_.end()) return false;
+  if (!it->second.storage.expired()) return true;
+  running_ -= it->second.counted;
+  seen_.erase(it);
+  return false;
 }
 
 void SavedBytesMeter::observe(const at::Tensor& t) {

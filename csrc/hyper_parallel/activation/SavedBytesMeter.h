@@ -75,6 +75,9 @@ class SavedBytesMeter {
   int64_t recount_locked();
   // Takes the released storages that died out of the running total. Needs mu_.
   void settle_locked();
+  // Whether `key` is an observed storage still alive; a dead one leaves the running total
+  // and the observed set. Needs mu_.
+  bool keep_if_alive_locked(const c10::StorageImpl* key);
 
   mutable std::mutex mu_;
   std::vector<const c10::StorageImpl*> suspects_;  // note_release() since the last settle

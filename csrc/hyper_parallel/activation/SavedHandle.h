@@ -31,7 +31,7 @@ class SavedHandle {
   ~SavedHandle() {
     record_->alias_refs.fetch_sub(1);
     // its storage may die now (SavedBytesMeter.h)
-    if (alias_.defined() && alias_.has_storage()) {
+    if (SavedBytesMeter::active() != nullptr && alias_.defined() && alias_.has_storage()) {
       SavedBytesMeter::note_release(alias_.storage().unsafeGetStorageImpl());
     }
   }
