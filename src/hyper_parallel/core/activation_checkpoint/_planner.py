@@ -664,8 +664,9 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
             none of the three plans run on the model measured within the budget (then
             ``min_peak_bytes`` is the smallest measured peak, ``plan`` that plan).
         ValueError / TypeError: for a bad budget, candidate or model.
-        RuntimeError: when ``step_fn`` changes a parameter in place (an optimizer step
-            or weight update in it, which is not undone: :func:`profile_activation_memory`).
+        RuntimeError: when ``step_fn`` steps a ``torch.optim`` optimizer (stopped before
+            it changes anything) or changes a parameter otherwise (an update in place
+            outside an optimizer is not undone: :func:`profile_activation_memory`).
 
     Distributed: under ``torch.distributed`` every rank profiles, the figures become the
     worst over all ranks, rank 0 solves and broadcasts the plan (or the error), so every

@@ -565,7 +565,8 @@ class _ModelState:
     parameters, which a step must not change at all. Parameters are not copied (planning
     costs no second copy of the weights); after each step they are checked:
 
-    * their version counters (an in-place update, ``optimizer.step()`` in ``step_fn``);
+    * their version counters (an in-place update; a ``torch.optim`` optimizer's
+      ``step()`` is stopped before it runs, :func:`_optimizer_steps_refused`);
     * the objects in the modules' parameter slots and the memory each holds (a new
       ``nn.Parameter``, ``p.data = ...``): the originals are put back;
     * the exact integer sum of each one's bits (``p.data.add_(...)``, which no version
@@ -1105,9 +1106,12 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
             that keeps its graph (``retain_graph=True``: every saved tensor would stay
             until the graph is freed; not checked on a torch without
             ``torch._C._autograd._get_current_graph_task_keep_graph``).
-        RuntimeError: when ``step_fn`` changes a parameter in place (an optimizer step);
-            the model's plan, hooks and ``.grad`` are restored before it is raised, as for
-            any error of ``step_fn``, but that weight update is not undone.
+        RuntimeError: when ``step_fn`` calls a ``torch.optim`` optimizer's ``step()``
+            (stopped before it changes anything), or changes a parameter otherwise (in
+            place, through ``.data``, or by replacing it); the model's plan, hooks and
+            ``.grad`` are restored before it is raised, as for any error of ``step_fn``, and
+            replaced parameters put back, but an update in place outside an optimizer is
+            not undone (no copy of the weights is kept).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"hyper_parallel: profile_activation_memory expects an nn.Module, got "
@@ -1221,6 +1225,45 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
 
 
 @contextlib.contextmanager
+def _optimizer_steps_refused():
+    """Stops any ``torch.optim`` optimizer's ``step()`` called on this thread while
+    profiling, before it changes anything (weights or the optimizer's state: momentum
+    buffers, Adam's moments and step counts). Before, an ``optimizer.step()`` inside
+    ``step_fn`` was seen only after it ran, by the parameters' version counters
+    (:meth:`_ModelState.check_parameters`), and its update stayed in the weights. Uses
+    torch's global step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``),
+    which every ``torch.optim.Optimizer`` subclass runs before its ``step``; an optimizer
+    outside ``torch.optim``'s base class is still caught after the fact by the checks.
+    Other threads' optimizers are not touched."""
+    import threading
+
+    from torch.optim import optimizer as optim_module
+
+    register = getattr(optim_module, "register_optimizer_step_pre_hook", None)
+    if register is None:  # a torch without global optimizer hooks: the checks remain
+        yield
+        return
+    thread = threading.get_ident()
+
+    def refuse(opt, args, kwargs):
+        if threading.get_ident() != thread:
+            return None
+        raise RuntimeError(
+            f"hyper_parallel: step_fn called {type(opt).__name__}.step(); it was stopped "
+            "before it changed anything (the weights and the optimizer's state are as they "
+            "were). plan_activation_memory runs step_fn several times to profile it and "
+            "must leave the weights as they are: pass a step that only runs the forward "
+            "and backward, e.g. lambda: model(**batch).loss.backward(), and step the "
+            "optimizer outside.")
+
+    handle = register(refuse)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
 def _left_as_found(model: nn.Module, params: list[nn.Parameter], device: torch.device):
     """Runs the enclosed profiling steps on ``model`` with no strategy applied and the
     engine's offload window off, then leaves everything as it was: gradients, buffers,
@@ -1237,7 +1280,7 @@ def _left_as_found(model: nn.Module, params: list[nn.Parameter], device: torch.d
         window = _C.offload_window()
         _C.set_offload_window(0)
         try:
-            with state.outside.watching():
+            with state.outside.watching(), _optimizer_steps_refused():
                 yield state
         finally:
             remove_activation_memory(model)  # first: it restores what its apply replaced
