@@ -87,18 +87,20 @@ void bind_planner(py::module_& m) {
            py::arg("byte_quantum") = 1, py::arg("time_tolerance") = 0.0)
       .def("solve",
            [result](const Planner& pl, int64_t budget, const std::vector<uint64_t>& allowed,
-                    int64_t host_budget) {
+                    int64_t host_budget, int64_t deepening_labels) {
              PlanResult r;
              {
                py::gil_scoped_release no_gil;
-               r = pl.solve(budget, allowed, host_budget);
+               r = pl.solve(budget, allowed, host_budget, deepening_labels);
              }
              return result(r);
            },
            py::arg("budget_bytes"), py::arg("allowed") = std::vector<uint64_t>{},
-           py::arg("host_budget_bytes") = -1,
+           py::arg("host_budget_bytes") = -1, py::arg("deepening_labels") = kDeepeningLabels,
            "(assignment, prediction, search stats) of the fastest plan within the budgets "
-           "(host_budget_bytes < 0: unbounded), or None.")
+           "(host_budget_bytes < 0: unbounded), or None. deepening_labels: the labels the "
+           "exact searches that prove a plan optimal may create after the capped searches "
+           "(Planner.h; 0: the capped searches' plan stands, with its proven gap).")
       .def("min_peak",
            [result](const Planner& pl, const std::vector<uint64_t>& allowed,
                     int64_t host_budget) {

@@ -533,13 +533,16 @@ bool Planner::uneven_held(const std::vector<uint64_t>& m) const {
 }
 
 PlanResult Planner::solve(int64_t budget, const std::vector<uint64_t>& allowed,
-                          int64_t host_budget) const {
-  return solve_known(budget, allowed, host_budget, nullptr);
+                          int64_t host_budget, int64_t deepening_labels) const {
+  HP_CHECK_VALUE(deepening_labels >= 0, "planner deepening_labels must be >= 0 (0: no deepening), got ",
+                 deepening_labels);
+  return solve_known(budget, allowed, host_budget, nullptr, deepening_labels);
 }
 
 PlanResult Planner::solve_known(int64_t budget, const std::vector<uint64_t>& allowed,
-                                int64_t host_budget, const PlanResult* known) const {
-  PlanResult r = solve_unpolished(budget, allowed, host_budget, known);
+                                int64_t host_budget, const PlanResult* known,
+                                int64_t deepening_labels) const {
+  PlanResult r = solve_unpolished(budget, allowed, host_budget, known, deepening_labels);
   // At depth >= 2 the searches minimise the depth-1 time, an upper bound (Planner.h): their
   // optimum is not evaluate()'s (a tester: 6 248 plans marked exact were not optimal). A
   // time tolerance prunes labels within it of dominating, and a byte quantum rounds bytes
@@ -599,7 +602,8 @@ void Planner::polish(PlanResult& r, int64_t budget, const std::vector<uint64_t>&
 }
 
 PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>& allowed,
-                                     int64_t host_budget, const PlanResult* known) const {
+                                     int64_t host_budget, const PlanResult* known,
+                                     int64_t deepening_labels) const {
   const std::vector<uint64_t> m = masks(allowed);
   // The time found is the optimum (a lower bound of itself) only where the search is
   // exact: depth <= 1, no tolerance, no byte rounding.
@@ -706,7 +710,7 @@ PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>
     // Deepening (branch and bound with rising cut-offs): exact searches whose cut-offs
     // rise from the best lower bound towards that plan's objective, the first
     // (upper - bound) / kDeepeningFirst above the bound, each next step kDeepeningGrowth
-    // times the last, together allowed kDeepeningLabels labels. A search that ends without
+    // times the last, together allowed deepening_labels labels. A search that ends without
     // a plan within its cut-off proves the optimum above it (the next starts there); the
     // first that finds one has found the optimum. The labels a search keeps grow steeply
     // with its cut-off's distance above the bound (a saturated 100-layer solve: 0.33, 0.45,
@@ -733,7 +737,7 @@ PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>
       floor_bound = upper;  // (no deepening)
     }
     double step = (upper - floor_bound) / kDeepeningFirst;
-    int64_t left = kDeepeningLabels, last_created = 0, guess = 0;
+    int64_t left = deepening_labels, last_created = 0, guess = 0;
     while (step > 0.0 && left > 0 && guess <= left) {
       const double c = std::min(upper, floor_bound + step);
       // (With the scan limit: under a host budget labels carry host bytes, which the
@@ -765,8 +769,10 @@ PlanResult Planner::solve_unpolished(int64_t budget, const std::vector<uint64_t>
       if (quantum_ == 1) proven = std::max(proven, c);
       floor_bound = c;
       step *= kDeepeningGrowth;
+      // The next search's labels, guessed from the growth between the last two (after the
+      // first search, from kDeepeningGuessGrowth).
       guess = last_created > 0 ? r.stats.labels_created * r.stats.labels_created / last_created
-                               : 0;
+                               : r.stats.labels_created * kDeepeningGuessGrowth;
       last_created = r.stats.labels_created;
     }
   }
@@ -1164,7 +1170,8 @@ PlanResult Planner::min_peak(const std::vector<uint64_t>& allowed, int64_t host_
   int64_t proven = -1;
   const PlanResult least = least_peak_plan(masks(allowed), host_budget, &proven);
   if (!least.feasible) return {};
-  PlanResult r = solve_known(least.prediction.peak_bytes, allowed, host_budget, &least);
+  PlanResult r = solve_known(least.prediction.peak_bytes, allowed, host_budget, &least,
+                             kDeepeningLabels);
   if (!r.feasible) return r;
   r.stats.least_peak_bound = std::min(proven, r.prediction.peak_bytes);
   r.stats.labels_created += least.stats.labels_created;

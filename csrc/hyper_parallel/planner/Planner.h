@@ -59,15 +59,21 @@
 // within it, the capped searches (below) find a plan, and the deepening raises the cut-off
 // from the best proven bound towards that plan's objective: (plan - bound) /
 // kDeepeningFirst above it first, each next step kDeepeningGrowth times the last, the
-// searches together allowed kDeepeningLabels labels (only where the plan lies within
-// kDeepeningGap of the bound; beyond it one search at the plan's objective runs). A
-// search that ends without a plan within its cut-off proves the optimum above it; the
-// first that finds one has found the optimum. Unsaturated 100-layer profiles: 14-30 ms,
-// 20-50x fewer labels created; saturated 100-layer ones (copies 1-3x a forward, budgets
-// 25-60 % of none; 27 of bench_planner's synthetic profiles): 21 proven optimal, median
-// 40 ms, at most 0.5 s (12 of 27 before, median 93 ms, at most 0.19 s); a 128-layer decoder profile tiled from
-// a measured Llama, copies 1.6x a forward: proven optimal in 0.2 s (the plan 0.33 % faster
-// than the capped searches').
+// searches together allowed `deepening_labels` labels, kDeepeningLabels by default (only
+// where the plan lies within kDeepeningGap of the bound; beyond it one search at the
+// plan's objective runs), stopping early where the next search, guessed from the growth
+// of the last two, would outgrow what is left. A search that ends without a plan within
+// its cut-off proves the optimum above it; the first that finds one has found the
+// optimum. Unsaturated 100-layer profiles: 14-30 ms, 20-50x fewer labels created;
+// saturated 100-layer ones (copies 1-3x a forward, budgets 25-60 % of none; 27 of
+// bench_planner's synthetic profiles): all 27 proven optimal, median 42 ms, the six
+// hardest (25 % at copies 2-3x) 1.4-4.3 s and 7.7-15.5 million labels on a loaded CPU
+// (with 2 million labels, until session 26: 21 proven, at most 0.5 s, the six within
+// 0.2-0.4 % of their bounds and 0.03-0.09 % above the optima found now); decoder profiles
+// tiled from a measured Llama (copies 1.6x and 2x a forward): 100 layers in 23-28 ms,
+// 128 in 0.2 s, 160-200 in 1-2 s, proven optimal (one 200-layer solve stops early,
+// within 0.008 %). Where the deepening cannot close the gap (200-300 saturated layers at
+// 25 %: gaps 0.3-0.8 %) it spends 1-1.7 s and the capped plan stands.
 //
 // Deferred bytes (OptionCost::deferred_bytes, a layer input its caller still holds at the
 // layer's release point; they leave at the next layer's release point): bytes and time are
@@ -263,10 +269,11 @@ inline constexpr int64_t kMinPeakGrid = 4096;
 inline constexpr int64_t kMinPeakExactLabels = 8000000;
 inline constexpr int64_t kFallbackMemoryLabels = 4000000;
 inline constexpr size_t kPeakCandidates = 256;
-// solve()'s deepening: the labels its exact searches may create in all, the first
-// cut-off's distance above the lower bound (the gap to the plan known / this), and the
-// factor by which each next distance grows.
-inline constexpr int64_t kDeepeningLabels = 2000000;
+// solve()'s deepening: the labels its exact searches may create in all by default (the
+// optima of the hardest saturated 100-200-layer profiles measured took 5.6-15.5 million
+// in all, about 3 million a second), the first cut-off's distance above the lower bound
+// (the gap to the plan known / this), and the factor by which each next distance grows.
+inline constexpr int64_t kDeepeningLabels = 24000000;
 inline constexpr double kDeepeningFirst = 32.0;
 inline constexpr double kDeepeningGrowth = 2.0;
 // ... and the largest gap between the plan known and the bound (relative) it tries to close
@@ -274,6 +281,11 @@ inline constexpr double kDeepeningGrowth = 2.0;
 inline constexpr double kDeepeningGap = 0.01;
 // ... and the most labels one layer of them may keep.
 inline constexpr int64_t kDeepeningWidest = 250000;
+// ... and the growth of the labels from the first search to the second, guessed before two
+// are known (measured 1.1-13x per doubling of the cut-off's distance above the bound; a
+// 300-layer saturated solve whose first search took 5.3 million labels ran a second that
+// outgrew the 19 million left, 4.5 s for nothing).
+inline constexpr int64_t kDeepeningGuessGrowth = 4;
 // search()'s lookahead under a host budget: the prices of a host byte in kept bytes at
 // which it checks that the layers left can still meet both budgets (Planner.cpp); kept and
 // offloaded bytes trade about 1:1 between the strategies, so prices around 1.
@@ -312,8 +324,12 @@ class Planner {
   // or above its peak is met, one in the proven gap below it (a fraction of a percent) is
   // refused.
   // `allowed[k]` (optional, one bit per option) restricts the options of layer k.
+  // `deepening_labels`: the labels the deepening's exact searches may create in all (the
+  // work spent proving a plan optimal where the capped searches could not; 0: none, the
+  // capped searches' plan stands with its proven gap). Throws c10::ValueError when < 0.
   PlanResult solve(int64_t budget_bytes, const std::vector<uint64_t>& allowed = {},
-                   int64_t host_budget_bytes = -1) const;
+                   int64_t host_budget_bytes = -1,
+                   int64_t deepening_labels = kDeepeningLabels) const;
   // The smallest budget for which solve() finds a plan (exact: a binary search over bytes
   // of a memory-only search), with the fastest plan at it; feasible = false when even an
   // unbounded device budget cannot meet the host budget. Exact in bytes, held bytes and
@@ -360,10 +376,12 @@ class Planner {
   // solve() with a plan known to meet both budgets (or null): where the searches find
   // none, it stands in for the memory-only search's.
   PlanResult solve_known(int64_t budget_bytes, const std::vector<uint64_t>& allowed,
-                         int64_t host_budget_bytes, const PlanResult* known) const;
+                         int64_t host_budget_bytes, const PlanResult* known,
+                         int64_t deepening_labels) const;
   // solve_known() before polish().
   PlanResult solve_unpolished(int64_t budget_bytes, const std::vector<uint64_t>& allowed,
-                              int64_t host_budget_bytes, const PlanResult* known) const;
+                              int64_t host_budget_bytes, const PlanResult* known,
+                              int64_t deepening_labels) const;
   // The memory-only plan of least peak within the host budget (< 0: unbounded) that the
   // searches find, `m` from masks(); feasible = false when no plan meets the host budget.
   // *proven (optional): a proven lower bound of the least peak, the plan's own peak where

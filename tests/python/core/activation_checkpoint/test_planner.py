@@ -699,6 +699,12 @@ def test_core_value_errors_are_value_errors_without_a_cpp_backtrace():
     p.layers = [[_C.PlannerOptionCost(1 << 61, 0, 0.0, 0.0)]]
     with pytest.raises(ValueError, match="more than 2\\^60"):
         _C.Planner(p)
+    # The deepening's label allowance: 0 skips it, below 0 is refused.
+    p.layers = [[_C.PlannerOptionCost(8, 0, 1.0, 1.0)]]
+    assert _C.Planner(p).solve(8, deepening_labels=0)[0] == [0]
+    with pytest.raises(ValueError, match=r"^hyper_parallel: planner deepening_labels must be "
+                                         r">= 0 \(0: no deepening\), got -1$"):
+        _C.Planner(p).solve(8, deepening_labels=-1)
 
 
 def test_at_equal_times_a_budget_everything_fits_keeps_every_layer_resident(profiled):
