@@ -285,6 +285,11 @@ class _StepProbe:
         self.meter = None
         self.fwd_start = [0.0] * n
         self.fwd_end = [0.0] * n
+        # the order of the layers' first forwards (0, 1, ...; -1: not run): a count, not the
+        # clock, which a preemption between its two reads could step back (fuzzer, session
+        # 26: a correct Bert refused as "not in forward order" on a loaded machine)
+        self.fwd_order = [-1] * n
+        self._forwards = 0
         self.bwd_start = [None] * n
         self.bwd_end = [None] * n
         self.mem_before = [0] * n
@@ -343,6 +348,8 @@ class _StepProbe:
             x = _first_tensor(args, kwargs)
             if x is not None and x.requires_grad:
                 x.register_hook(self._grad_in(k))
+            self.fwd_order[k] = self._forwards
+            self._forwards += 1
             self.fwd_start[k] = self.clock()
         return hook
 
@@ -489,8 +496,8 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
     busy = sum(c.forward_seconds + c.backward_seconds for c in costs)
     return {
         "costs": costs,
-        "ran_forward": [t > 0.0 for t in probe.fwd_start],
-        "forward_starts": list(probe.fwd_start),
+        "ran_forward": [i >= 0 for i in probe.fwd_order],
+        "forward_order": list(probe.fwd_order),
         "ran_backward": got_grads or any(t is not None for t in probe.bwd_end),
         "peak_bytes": int(peak),
         "step_seconds": end - start,
@@ -806,8 +813,8 @@ def _check_warmup(run: dict, layer_names: list[str]) -> None:
             "and the planner models a backward that frees each layer's saves as it goes. "
             "Give a step_fn whose backward frees the graph (the default), and apply the plan "
             "to the real step.")
-    starts = run["forward_starts"]
-    for a, b, sa, sb in zip(layer_names, layer_names[1:], starts, starts[1:]):
+    order = run["forward_order"]
+    for a, b, sa, sb in zip(layer_names, layer_names[1:], order, order[1:]):
         if sb < sa:
             raise ValueError(
                 f"hyper_parallel: the layers are not in forward order: {b!r} runs before "

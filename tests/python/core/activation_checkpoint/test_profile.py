@@ -365,6 +365,34 @@ def test_layers_out_of_forward_order_are_refused():
     apply_activation_memory(model, "none")  # still usable
 
 
+def test_the_forward_order_is_read_from_the_calls_not_the_clock(monkeypatch):
+    # (fuzzer, session 26) The order check compared the layers' forward start times; the
+    # profiler's clock stepped back on a loaded machine and a correct model was refused as
+    # running its layers out of order. The order is now counted. A clock stepping back 1 s
+    # at every third reading must not change the verdict either way.
+    import itertools
+    import time
+
+    from hyper_parallel.core.activation_checkpoint import _profile
+
+    calls = itertools.count()
+
+    def jumpy(device):
+        return lambda: time.perf_counter() - (1.0 if next(calls) % 3 == 1 else 0.0)
+
+    monkeypatch.setattr(_profile, "step_clock", jumpy)
+    model = _BnStack()
+    x = torch.randn(8, 16)
+    profile = profile_activation_memory(model, lambda: model(x).sum().backward(),
+                                        candidates=["checkpoint"], repeats=1)
+    assert profile.layer_names == ["layers.0", "layers.1", "layers.2"]
+    with pytest.raises(ValueError, match="not in forward order: 'layers.0' runs before "
+                                         "'layers.1'"):
+        profile_activation_memory(model, lambda: model(x).sum().backward(),
+                                  layers=["layers.1", "layers.0", "layers.2"],
+                                  candidates=["checkpoint"], repeats=1)
+
+
 def test_an_existing_application_comes_back_with_its_options():
     # R12: profiling removes the user's application and puts it back afterwards, with the
     # options it was applied with (swap_inputs, group_swap, policy_fn), not only its
