@@ -252,8 +252,13 @@ class InfeasibleBudgetError(ValueError):
     Attributes:
         budget_bytes: the budget asked for.
         min_peak_bytes: the smallest predicted peak some plan reaches (within the host
-            budget, if one was given); ``None`` when no plan meets the host budget.
-        plan: the fastest plan at that peak (an :class:`ActivationPlan`), or ``None``.
+            budget, if one was given); ``None`` when no plan meets the host budget. From
+            :func:`plan_activation_memory` (which runs plans on the model), the smallest
+            peak measured on the model: over the plans it ran, the cost model's least-peak
+            plan and the uniform plans the profile measured, so that planning again at it
+            is answered.
+        plan: the fastest plan at that peak (an :class:`ActivationPlan`; from
+            :func:`plan_activation_memory` with ``measured_peak_bytes`` set), or ``None``.
         host_budget_bytes: the host budget asked for (``None``: unbounded).
         min_peak_bound_bytes: a proven lower bound of the smallest peak: no plan peaks
             below it. Equal to ``min_peak_bytes`` where that is proven the least (always
@@ -462,8 +467,8 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
                                              host_budget_bytes=host_budget_bytes),
             lambda plan: _measured(plan, model, step_fn, budget_bytes),
             profile.strategies,
-            lambda: _uniform_within(profile, budget_bytes, candidates, _depth(prefetch_depth),
-                                    host_budget_bytes))
+            lambda: _uniform_measured(profile, budget_bytes, candidates,
+                                      _depth(prefetch_depth), host_budget_bytes))
     depth = _depth(prefetch_depth)
     candidates = _nonempty(candidates)
     names = check_candidates(candidates) if candidates is not None else profile.strategies
@@ -659,10 +664,10 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
         ``print(plan.explain())`` shows it.
 
     Raises:
-        InfeasibleBudgetError (a ValueError): when no plan meets the budgets; it gives
-            the smallest reachable peak and its plan, and names the host budget; also when
-            none of the three plans run on the model measured within the budget (then
-            ``min_peak_bytes`` is the smallest measured peak, ``plan`` that plan).
+        InfeasibleBudgetError (a ValueError): when no plan meets the budgets, measured on
+            the model; ``min_peak_bytes`` is the smallest peak measured (over the plans run,
+            the cost model's least-peak plan and the uniform plans the profile measured),
+            ``plan`` that plan; the message names the host budget.
         ValueError / TypeError: for a bad budget, candidate or model.
         RuntimeError: when ``step_fn`` steps a ``torch.optim`` optimizer (stopped before
             it changes anything) or changes a parameter otherwise (an update in place
@@ -710,7 +715,7 @@ def plan_activation_memory(model: nn.Module, step_fn: Callable[[], object], budg
     return _closed_loop(budget, decide,
                         lambda plan: _measured(plan, model, step_fn, budget, distributed),
                         profile.strategies,
-                        lambda: _uniform_within(profile, budget, candidates, depth, host))
+                        lambda: _uniform_measured(profile, budget, candidates, depth, host))
 
 
 def _measured(plan: ActivationPlan, model: nn.Module, step_fn: Callable[[], object],
@@ -730,23 +735,26 @@ def _measured(plan: ActivationPlan, model: nn.Module, step_fn: Callable[[], obje
                                measured_step_seconds=float(seconds))
 
 
-def _uniform_within(profile: ActivationProfile, budget: int, candidates, depth: int,
-                    host: int | None) -> list[ActivationPlan]:
-    """The uniform plans of the candidates whose profiled steps measured within the budget
-    (and, under a host budget, are predicted within it), fastest measured first: what the
-    closed loop falls back to when the cost model misses (docs/design.md, "Closed loop")."""
+def _uniform_measured(profile: ActivationProfile, budget: int, candidates, depth: int,
+                      host: int | None) -> list[ActivationPlan]:
+    """The uniform plans of the candidates, each with the peak and step time its profiled
+    steps measured (``measured_peak_bytes``, ``measured_step_seconds``; those predicted
+    over a host budget left out), fastest measured first: what the closed loop falls back
+    to when the cost model misses, and what its errors count among the plans measured
+    (docs/design.md, "Closed loop")."""
     names = check_candidates(candidates) if candidates is not None else profile.strategies
     n = len(profile.layer_names)
     out = []
     for s in sorted((s for s in names if s in profile.measured),
                     key=lambda s: profile.measured[s]["step_seconds"]):
-        if profile.measured[s]["peak_bytes"] > budget:
-            continue
         index = profile.strategies.index(s)
         prediction = predict(profile, [s] * n, prefetch_depth=depth, offload_window=0)
         if host is not None and prediction["offload_bytes"] > host:
             continue
-        out.append(_plan(profile, [index] * n, prediction, budget, depth, host))
+        plan = _plan(profile, [index] * n, prediction, budget, depth, host)
+        out.append(dataclasses.replace(
+            plan, measured_peak_bytes=int(profile.measured[s]["peak_bytes"]),
+            measured_step_seconds=float(profile.measured[s]["step_seconds"])))
     return out
 
 
@@ -762,8 +770,17 @@ def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
     input: who pays for it depends on both strategies). While the plan measures over the
     budget the solver runs again for the budget less the excess (when nothing is predicted
     to fit that, the plan of the smallest predicted peak is the last one tried), at most
-    _MEASURE_ROUNDS plans; then, or when the solver finds nothing, the plans ``uniform()``
-    gives (uniform plans the profile measured within the budget), at most _UNIFORM_ROUNDS.
+    _MEASURE_ROUNDS plans; then, or when the solver finds nothing, the uniform plans
+    ``uniform()`` gives whose profiled steps measured within the budget, at most
+    _UNIFORM_ROUNDS.
+
+    Where none fits, the error names the smallest peak measured on the model, over the
+    plans tried, the least-peak plan of the cost model (measured when the cost model itself
+    found nothing: its prediction may be off) and the uniform plans the profile measured;
+    so planning again at the error's ``min_peak_bytes`` is answered (a fuzzer, session 26:
+    the cost model's least, 76 800 B predicted, measured 307 200 B on a stack whose layers
+    share storages, and the uniform ``checkpoint_swap`` the profile measured at 284 160 B
+    was not named).
     """
 
     def unproven(plan: ActivationPlan) -> ActivationPlan:
@@ -772,7 +789,7 @@ def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
         return dataclasses.replace(plan, exact=False, lower_bound_seconds=None)
 
     def fallback() -> ActivationPlan | None:
-        for plan in uniform()[:_UNIFORM_ROUNDS]:
+        for plan in [p for p in uniform() if p.measured_peak_bytes <= budget][:_UNIFORM_ROUNDS]:
             if any(p.strategies == plan.strategies for p in tried):
                 continue
             plan = measure(plan)  # (built without solver stats: not exact, no bound)
@@ -780,6 +797,13 @@ def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
                 return plan
             tried.append(plan)
         return None
+
+    def smallest() -> ActivationPlan:
+        # The least measured peak over the plans run and the uniform ones the profile
+        # measured (those measured again here count with their new figures).
+        seen = {tuple(p.strategies.items()) for p in tried}
+        pool = tried + [p for p in uniform() if tuple(p.strategies.items()) not in seen]
+        return min(pool, key=lambda p: (p.measured_peak_bytes, p.measured_step_seconds))
 
     target = budget
     tried: list[ActivationPlan] = []
@@ -794,7 +818,28 @@ def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
                 found = fallback()
                 if found is not None:
                     return found
-                raise
+                if err.plan is None:
+                    raise
+                least = measure(err.plan)
+                tried.append(least)
+                best = smallest()
+                if best is least and least.measured_peak_bytes == err.min_peak_bytes:
+                    raise  # the cost model's least, as predicted
+                # (plan_from_profile's message: "<what is infeasible>; the smallest
+                # reachable is ... (error.plan). Raise the budget, ...")
+                text = str(err)
+                head = text.split("; ", 1)[0]
+                advice = text[text.find("Raise the budget"):] if "Raise the budget" in text \
+                    else "Raise the budget."
+                raise InfeasibleBudgetError(
+                    f"{head}; the cost model's least-peak plan ({_choice(least)}, predicted "
+                    f"{_fmt_bytes(err.min_peak_bytes)}, {err.min_peak_bytes} bytes) measured "
+                    f"{_fmt_bytes(least.measured_peak_bytes)} ({least.measured_peak_bytes} "
+                    f"bytes) on the model, and the smallest peak measured is "
+                    f"{_fmt_bytes(best.measured_peak_bytes)} ({best.measured_peak_bytes} "
+                    f"bytes) with {_choice(best)} (error.plan). {advice}",
+                    err.budget_bytes, best.measured_peak_bytes, best, err.host_budget_bytes,
+                    min(err.min_peak_bound_bytes, best.measured_peak_bytes)) from None
             if err.plan is None:
                 break
             candidate, last_resort = err.plan, True
@@ -813,21 +858,24 @@ def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
     found = fallback()
     if found is not None:
         return found
-    best = min(tried, key=lambda p: p.measured_peak_bytes)
-    choice = ", ".join(f"{k}: {n}" for k, n in _counts(best).items())
+    best = smallest()
     raise InfeasibleBudgetError(
         f"hyper_parallel: the plans the cost model found for a peak of saved activations "
         f"within {_fmt_bytes(budget)} ({budget} bytes) measured over it on the model "
         + ("(1 plan tried: no smaller one is predicted)" if len(tried) == 1 else
            f"({len(tried)} plans tried, each solved for the budget less the previous "
            "plan's excess)")
-        + f"; the smallest measured {_fmt_bytes(best.measured_peak_bytes)} "
-        f"({best.measured_peak_bytes} bytes) with {choice} (error.plan, predicted "
+        + f"; the smallest peak measured {_fmt_bytes(best.measured_peak_bytes)} "
+        f"({best.measured_peak_bytes} bytes) with {_choice(best)} (error.plan, predicted "
         f"{best.predicted_peak_bytes} bytes). Raise the budget"
         + _more_candidates(strategies)
         + ", or shrink the batch; a profile whose layers share saved tensors in unusual "
         "ways is worth reporting.",
         int(budget), best.measured_peak_bytes, best, best.host_budget_bytes)
+
+
+def _choice(plan: ActivationPlan) -> str:
+    return ", ".join(f"{k}: {n}" for k, n in _counts(plan).items())
 
 
 #: How many plans plan_activation_memory runs on the model before it gives up (each costs
