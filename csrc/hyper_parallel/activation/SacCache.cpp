@@ -1,5 +1,6 @@
 #include "hyper_parallel/activation/SacCache.h"
 
+#include "hyper_parallel/activation/Eligibility.h"
 #include "hyper_parallel/activation/SavedBytesMeter.h"
 #include "hyper_parallel/activation/SwapEngine.h"
 #include "hyper_parallel/common/Macros.h"
@@ -41,6 +42,14 @@ uint64_t mix_value(uint64_t h, const c10::IValue& v) {
   return h;
 }
 }  // namespace
+
+SacCache::Slot::~Slot() {
+  if (SavedBytesMeter::active() == nullptr || !value.isTensor()) return;
+  const at::Tensor& t = value.toTensor();
+  if (t.defined() && has_plain_storage(t)) {
+    SavedBytesMeter::note_release(t.storage().unsafeGetStorageImpl());
+  }
+}
 
 uint64_t SacCache::input_signature(c10::ArrayRef<c10::IValue> args) {
   uint64_t h = kSignatureSeed;

@@ -10,7 +10,10 @@
 // pack hook returned is released (autograd frees a node's saved tensors after its
 // backward, or with a graph dropped unused), and the engine frees device memory in place
 // only at region boundaries, where the Python layer samples. So the pack hooks' saved
-// objects name their storage to note_release() when destroyed, and the next observe()
+// objects, and selective checkpoint's cached outputs (SacCache slots, which observe()
+// counts when cached), name their storage to note_release() when destroyed (a cache slot
+// had not: its storage counted until the next sample(), and a user's meter read 1.8 %
+// above the planner's sampled one), and the next observe()
 // first takes those of them that died out of the total (a released storage still alive is
 // watched, and taken out once it dies): a storage freed between two
 // forwards (the backward of one gradient-accumulation micro-batch before the next one's
@@ -65,9 +68,9 @@ class SavedBytesMeter {
   // The meter PackHooks report to (at most one active at a time), or null.
   static SavedBytesMeter* active();
   static void set_active(SavedBytesMeter* meter);
-  // A saved object (a pass-through or a swap handle) holding `storage` was destroyed: the
-  // active meter checks at its next observe() whether the storage died. noexcept (called
-  // from destructors, on any thread; takes the meter's lock, a leaf lock).
+  // A saved object (a pass-through, a swap handle or a SacCache slot) holding `storage` was
+  // destroyed: the active meter checks at its next observe() whether the storage died.
+  // noexcept (called from destructors, on any thread; takes the meter's lock, a leaf lock).
   static void note_release(const c10::StorageImpl* storage) noexcept;
 
  private:

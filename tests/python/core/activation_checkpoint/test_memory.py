@@ -132,3 +132,41 @@ def test_graphs_dropped_in_every_layer_leave_the_total():
     # one statistic's saved exp() output at a time, not one per layer
     assert _peak(lambda: logged(x).sum().backward()) == \
         _peak(lambda: plain(x).sum().backward()) + x.numel() * x.element_size()
+
+
+def test_cached_outputs_of_selective_checkpoint_leave_the_total_when_freed():
+    # (fuzzer, session 26) Outputs selective checkpoint caches are counted when cached but
+    # were not named to the meter when the cache dropped them, so they counted until the
+    # next full recount: a user's saved_activation_memory() around the step read 488 016 B
+    # where the planner's measurement, which samples at every layer, read 479 304 B, and a
+    # plan measured within its budget read over it. The peak no longer depends on sampling.
+    transformers = pytest.importorskip("transformers")
+    from hyper_parallel.core.activation_checkpoint import (apply_activation_memory,
+                                                           remove_activation_memory)
+    from hyper_parallel.core.activation_checkpoint import _memory
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=96, intermediate_size=192,
+                                   num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, max_position_embeddings=128,
+                                   attention_dropout=0.1)
+    cfg._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 256, (1, 33))
+    apply_activation_memory(model, {"model.layers.0": "none", "model.layers.1": "selective"})
+
+    def peak(sample_at_layer_ends):
+        hooks = [model.get_submodule(f"model.layers.{i}").register_forward_hook(
+            lambda *_: _memory._active.sample() and None) for i in range(2)] \
+            if sample_at_layer_ends else []
+        torch.manual_seed(2)
+        got = _peak(lambda: model(input_ids=ids, labels=ids).loss.backward())
+        for h in hooks:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+        return got
+
+    try:
+        assert peak(False) == peak(True) > 0
+    finally:
+        remove_activation_memory(model)
