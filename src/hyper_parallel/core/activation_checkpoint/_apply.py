@@ -29,7 +29,7 @@ from ._policy import CheckpointPolicy
 from ._errors import check_flag, check_module
 from ._policy_signature import check_swap_policy, is_per_tensor_policy
 from ._selective import compile_policy
-from ._swap_manager import SwapManager, layer_node
+from ._swap_manager import MAX_ENGINE_SETTING, SwapManager, layer_node
 from ._wrappers import swap_wrapper
 from ._warnings import warn as warn_user
 
@@ -538,15 +538,17 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     _warn_uncovered(plan, slots)
     op_policy, tensor_policy = _split_policy(policy_fn, strategies)
     depth = getattr(plan, "prefetch_depth", None) if isinstance(plan, LayerPlan) else None
+    # (checked against what the engine takes, before anything changes: a window of 2**21
+    # had failed in _set_engine after the previous plan was removed, a tester)
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)
-                              or depth < 0):
-        raise ValueError(f"hyper_parallel: the plan's prefetch_depth must be an int >= 0, got "
-                         f"{depth!r}")
+                              or not 0 <= depth <= MAX_ENGINE_SETTING):
+        raise ValueError(f"hyper_parallel: the plan's prefetch_depth must be an int in "
+                         f"[0, 2**20], got {depth!r}")
     window = getattr(plan, "offload_window", None) if isinstance(plan, LayerPlan) else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 0):
-        raise ValueError(f"hyper_parallel: the plan's offload_window must be an int >= 0 "
-                         f"(0: unlimited), got {window!r}")
+                               or not 0 <= window <= MAX_ENGINE_SETTING):
+        raise ValueError(f"hyper_parallel: the plan's offload_window must be an int in "
+                         f"[0, 2**20] (0: unlimited), got {window!r}")
     previous: _Applied | None = unwrapped(model).__dict__.get(_STATE)
     ours = {id(w) for w in (previous.chained if previous else ())} | {
         id(s.current) for s in (previous.slots if previous else ())}
@@ -668,7 +670,11 @@ def _set_engine(depth: int | None, window: int | None) -> tuple[int | None, int 
         SwapManager().set_prefetch_depth(depth)  # the depth the plan was solved for
     if window is not None:
         before_window = int(_C.offload_window())
-        _C.set_offload_window(window)  # the schedule the plan's cost model describes
+        try:
+            _C.set_offload_window(window)  # the schedule the plan's cost model describes
+        except BaseException:
+            _restore_engine((before_depth, None))  # all or nothing
+            raise
     return before_depth, before_window
 
 

@@ -24,7 +24,7 @@ from hyper_parallel._extension import _C
 from ._apply import STRATEGIES
 from ._profile import (ActivationProfile, check_candidates, measure_plan, model_device,
                        profile_activation_memory)
-from ._swap_manager import SwapManager
+from ._swap_manager import MAX_ENGINE_SETTING, SwapManager
 
 _MiB = 1 << 20
 
@@ -184,6 +184,10 @@ class ActivationPlan:
                      "predicted_offload_bytes", "prefetch_depth", "offload_window"):
             if name in d:
                 _check_int(d[name], name)
+        for name in ("prefetch_depth", "offload_window"):  # what the engine takes
+            if name in d and d[name] > MAX_ENGINE_SETTING:
+                raise ValueError(f"hyper_parallel: not an ActivationPlan JSON: field {name!r} "
+                                 f"must be at most 2**20, got {d[name]}")
         for name in ("host_budget_bytes", "measured_peak_bytes"):
             if d.get(name) is not None:
                 _check_int(d[name], name)
@@ -284,9 +288,9 @@ def _depth(prefetch_depth: int | None) -> int:
     if prefetch_depth is None:
         return SwapManager().get_prefetch_depth()
     if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) \
-            or prefetch_depth < 0:
-        raise ValueError(f"hyper_parallel: prefetch_depth must be an int >= 0 (layers reloaded "
-                         f"ahead), got {prefetch_depth!r}")
+            or not 0 <= prefetch_depth <= MAX_ENGINE_SETTING:
+        raise ValueError(f"hyper_parallel: prefetch_depth must be an int in [0, 2**20] (layers "
+                         f"reloaded ahead), got {prefetch_depth!r}")
     return prefetch_depth
 
 
@@ -294,9 +298,10 @@ def _window(offload_window: int | None) -> int:
     if offload_window is None:
         return int(_C.offload_window())
     if isinstance(offload_window, bool) or not isinstance(offload_window, int) \
-            or offload_window < 0:
-        raise ValueError(f"hyper_parallel: offload_window must be an int >= 0 (invocations "
-                         f"with D2H copies in flight; 0: no limit), got {offload_window!r}")
+            or not 0 <= offload_window <= MAX_ENGINE_SETTING:
+        raise ValueError(f"hyper_parallel: offload_window must be an int in [0, 2**20] "
+                         f"(invocations with D2H copies in flight; 0: no limit), got "
+                         f"{offload_window!r}")
     return offload_window
 
 

@@ -29,6 +29,11 @@ _nodes: weakref.WeakSet = weakref.WeakSet()
 _tls = threading.local()
 
 
+
+#: The largest prefetch depth and offload window the engine takes (csrc/bindings/BindSwap.cpp
+#: checks the same): plans and options are validated against it before anything changes.
+MAX_ENGINE_SETTING = 1 << 20
+
 class _Stacks(dict):
     """One thread's region stacks (a dict subclass, so ``reset()`` can reach every thread's
     through weak references)."""
@@ -363,7 +368,7 @@ class SwapManager:
         Raises:
             ValueError: for a negative or non-integer depth.
         """
-        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= 1 << 20:
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= MAX_ENGINE_SETTING:
             raise ValueError("hyper_parallel: prefetch depth must be an int in [0, 2**20] "
                              f"(layers reloaded ahead), got {depth!r}")
         _C.set_prefetch_depth(depth)

@@ -13,6 +13,7 @@ import hyper_parallel
 from hyper_parallel._extension import _C
 from hyper_parallel.core.activation_checkpoint import (
     STRATEGIES,
+    ActivationPlan,
     CheckpointPolicy,
     CheckpointWrapper,
     LayerPlan,
@@ -396,6 +397,38 @@ class _Outer(nn.Module):
 
     def forward(self, x):
         return self.body(x)
+
+
+@pytest.mark.parametrize("field", ["prefetch_depth", "offload_window"])
+def test_engine_settings_out_of_the_engines_range_leave_everything_as_it_was(field, cpu_swap):
+    # (tester, session 26) A plan whose offload_window (or prefetch_depth) passed apply's
+    # checks (>= 0) failed in the engine (at most 2**20) after the previous plan had been
+    # removed and the depth changed: the model lost its plan and the engine kept the bad
+    # plan's depth. Both are checked against the engine's range before anything changes,
+    # and ActivationPlan.from_json refuses them.
+    @dataclass
+    class Plan:
+        strategies: dict
+        prefetch_depth: int = 2
+        offload_window: int = 0
+
+    manager = SwapManager()
+    depth0, window0 = manager.get_prefetch_depth(), _C.offload_window()
+    model = Stack(layers=3)
+    apply_activation_memory(model, "swap")
+    bad = Plan({"layers.0": "checkpoint"}, **{field: 2**20 + 1})
+    with pytest.raises(ValueError, match=f"the plan's {field} must be an int in \\[0, 2\\*\\*20\\]"):
+        apply_activation_memory(model, bad)
+    assert [type(layer).__name__ for layer in model.layers] == ["SwapWrapper"] * 3
+    assert (manager.get_prefetch_depth(), _C.offload_window()) == (depth0, window0)
+    remove_activation_memory(model)
+    assert (manager.get_prefetch_depth(), _C.offload_window()) == (depth0, window0)
+    text = ActivationPlan(strategies={"layers.0": "none"}, budget_bytes=1,
+                          predicted_peak_bytes=1, predicted_step_seconds=1.0, none_peak_bytes=1,
+                          none_step_seconds=1.0).to_json()
+    with pytest.raises(ValueError, match=f"field '{field}' must be at most 2\\*\\*20"):
+        ActivationPlan.from_json(text.replace(f'"{field}": {1 if field == "prefetch_depth" else 0}',
+                                              f'"{field}": {2**20 + 1}'))
 
 
 def test_apply_over_a_plan_applied_to_a_submodule_says_remove_it_first():
