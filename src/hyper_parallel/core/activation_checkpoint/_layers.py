@@ -63,16 +63,42 @@ def walk(model: nn.Module) -> Iterator[LayerSlot]:
         stack.extend(reversed(pending))
 
 
+#: Containers without a forward of their own: never called, so never a layer (a tester,
+#: session 26: blocks in nested ModuleLists, stages of layers, were found as the inner
+#: lists, and a plan applied to them reported every layer wrapped and saved nothing).
+UNCALLED = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def _children(prefix: str, container: nn.Module) -> list[LayerSlot]:
+    return [LayerSlot(f"{prefix}{k}", container, k)
+            for k, m in container._modules.items() if m is not None]
+
+
+def _flattened(slots: list[LayerSlot]) -> list[LayerSlot] | None:
+    """The blocks of a list of ``nn.ModuleList``s (stages of layers), in order, through
+    any depth of such nesting; None when some child is not a ``ModuleList``."""
+    if not slots or not all(isinstance(s.layer, nn.ModuleList) for s in slots):
+        return None
+    out: list[LayerSlot] = []
+    for s in slots:
+        inner = _children(f"{s.name}.", s.layer)
+        out.extend(_flattened(inner) or inner)
+    return out
+
+
 def _containers(model: nn.Module) -> Iterator[tuple[str, list[LayerSlot]]]:
-    """Each ``nn.ModuleList`` / ``nn.Sequential`` (the root included) with its children."""
+    """Each ``nn.ModuleList`` / ``nn.Sequential`` (the root included) with its children,
+    and, for one whose children are all ``ModuleList``s, with their blocks flattened."""
     root = unwrapped(model)
-    if isinstance(root, (nn.ModuleList, nn.Sequential)):
-        yield "", [LayerSlot(k, root, k) for k, m in root._modules.items() if m is not None]
-    for slot in walk(model):
-        container = slot.layer
-        if isinstance(container, (nn.ModuleList, nn.Sequential)):
-            yield slot.name, [LayerSlot(f"{slot.name}.{k}", container, k)
-                              for k, m in container._modules.items() if m is not None]
+    named = [("", root)] if isinstance(root, (nn.ModuleList, nn.Sequential)) else []
+    named += [(slot.name, slot.layer) for slot in walk(model)
+              if isinstance(slot.layer, (nn.ModuleList, nn.Sequential))]
+    for name, container in named:
+        slots = _children(f"{name}." if name else "", container)
+        yield name, slots
+        flat = _flattened(slots)
+        if flat:
+            yield name, flat
 
 
 def _hf_block_classes(model: nn.Module) -> set[str]:
@@ -103,7 +129,7 @@ def find_layer_slots(model: nn.Module) -> list[LayerSlot]:
         if len(slots) < 2 or len(slots) <= len(best):
             continue
         kind = type(slots[0].layer)
-        if all(type(s.layer) is kind for s in slots):
+        if not issubclass(kind, UNCALLED) and all(type(s.layer) is kind for s in slots):
             best = slots
     if not best:
         raise ValueError(
@@ -124,7 +150,9 @@ def find_layers(model: nn.Module) -> list[str]:
       an encoder-decoder model gives the encoder's blocks, then the decoder's.
     * Any other model: the children of the longest ``nn.ModuleList`` / ``nn.Sequential``
       (the model itself included) of two or more modules of one type; the first one wins
-      a tie.
+      a tie. A list of ``nn.ModuleList``s (stages of blocks) counts as the list of their
+      blocks, in order; containers without a forward (``ModuleList``, ``ModuleDict``) are
+      never layers themselves.
 
     Containers are listed in registration order, which is the forward order of such
     models; when a model registers its blocks in another order, pass ``layers=`` to
@@ -174,6 +202,7 @@ def resolve_layer_slots(model: nn.Module, layers) -> list[LayerSlot]:
             raise ValueError("hyper_parallel: the layers= predicate matched no module of the "
                              "model; it is called as predicate(name, module) -> bool for every "
                              "submodule (names as in model.named_modules()).")
+        _check_called(chosen)
         return chosen
     if isinstance(layers, (str, nn.Module)) or not isinstance(layers, Iterable):
         raise TypeError("hyper_parallel: layers= takes a list of layer names or modules, or a "
@@ -201,7 +230,18 @@ def resolve_layer_slots(model: nn.Module, layers) -> list[LayerSlot]:
                             f"{type(item).__name__}")
         chosen.append(slot)
     _check_disjoint(chosen)
+    _check_called(chosen)
     return chosen
+
+
+def _check_called(slots: list[LayerSlot]) -> None:
+    for s in slots:
+        if isinstance(s.layer, UNCALLED):
+            raise ValueError(
+                f"hyper_parallel: layers= names {s.name!r}, a {type(s.layer).__name__}: it has "
+                "no forward and is never called, so a strategy on it would save nothing. Name "
+                f"the blocks inside it ({s.name!r}.0, ...), or leave layers= out (find_layers "
+                "flattens lists of ModuleLists).")
 
 
 def _check_disjoint(slots: list[LayerSlot]) -> None:

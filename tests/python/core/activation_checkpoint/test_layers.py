@@ -103,3 +103,43 @@ def test_find_layers_of_a_non_module_is_a_clear_type_error(bad):
 
     with pytest.raises(TypeError, match=r"^hyper_parallel: find_layers expects an nn.Module "):
         find_layers(bad)
+
+
+class _Stages(nn.Module):
+    """Blocks in stages: a ModuleList of ModuleLists (neither has a forward)."""
+
+    def __init__(self, stages=2, per_stage=2, d=16) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(nn.ModuleList(Block(d) for _ in range(per_stage))
+                                    for _ in range(stages))
+
+    def forward(self, x):
+        for stage in self.stages:
+            for block in stage:
+                x = block(x)
+        return x.pow(2).sum()
+
+
+def test_blocks_in_nested_module_lists_are_the_layers_and_the_lists_never_are():
+    # (tester, session 26) find_layers gave the inner ModuleLists ("stages.0", "stages.1"),
+    # which are never called: apply reported every layer checkpointed, and the peak was
+    # "none"'s. The blocks of a list of ModuleLists are the layers; a container without a
+    # forward named as a layer is refused.
+    from hyper_parallel.core.activation_checkpoint import saved_activation_memory
+
+    model, x = _Stages(stages=2, per_stage=3), torch.randn(4, 8, 16)
+    assert find_layers(model) == [f"stages.{s}.{b}" for s in range(2) for b in range(3)]
+
+    def peak():
+        with saved_activation_memory() as meter:
+            model(x).backward()
+        return meter.peak_bytes
+
+    none = peak()
+    apply_activation_memory(model, "checkpoint")
+    assert peak() < none / 2
+    remove_activation_memory(model)
+    for layers in (["stages.0", "stages.1"], lambda name, m: name.count(".") == 1):
+        with pytest.raises(ValueError, match="'stages.0', a ModuleList: it has no forward"):
+            apply_activation_memory(model, "checkpoint", layers=layers)
+        assert [type(m).__name__ for m in model.stages] == ["ModuleList"] * 2
