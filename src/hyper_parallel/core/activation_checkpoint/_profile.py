@@ -680,8 +680,11 @@ class _OutsideLeaves:
     outside the model was left with the sum of every profiling step's gradient, which the
     first training step would then add to): found by walking each ``backward()``'s graph
     from its roots to the ``AccumulateGrad`` nodes (``torch.autograd.backward`` wrapped
-    while :meth:`watching`, for this thread only); each one's ``.grad`` is set aside before
-    its first profiled backward and put back by :meth:`restore`."""
+    while :meth:`watching`, for this thread only), and the parameters of an optimizer whose
+    ``zero_grad()`` the step calls (before it clears them); each one's ``.grad`` is set
+    aside before its first profiled backward or ``zero_grad()`` and put back by
+    :meth:`restore`. A leaf outside the model whose gradient the step changes in place
+    before any backward reaches it (``x.grad.zero_()``) is not seen."""
 
     __slots__ = ("_own", "_saved")
 
@@ -708,11 +711,28 @@ class _OutsideLeaves:
                 self._note(tensors)
             return original(tensors, *args, **kwargs)
 
+        # An optimizer's zero_grad() in the step (allowed: it only clears gradients) would
+        # clear the .grad of leaves outside the model before the backward shows them (a
+        # tester, session 26: a weight of the optimizer outside the model lost the gradient
+        # the user had accumulated): their gradients are set aside first.
+        optimizer = torch.optim.Optimizer
+        zero_grad = optimizer.zero_grad
+
+        def guarded_zero_grad(opt, *args, **kwargs):
+            if threading.get_ident() == thread:
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        if isinstance(p, torch.Tensor):
+                            self._add(p)
+            return zero_grad(opt, *args, **kwargs)
+
         setattr(module, name, run_backward)
+        optimizer.zero_grad = guarded_zero_grad
         try:
             yield
         finally:
             setattr(module, name, original)
+            optimizer.zero_grad = zero_grad
 
     def _note(self, tensors) -> None:
         roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())

@@ -273,6 +273,31 @@ def test_leaves_outside_the_model_keep_their_gradients():
     assert torch.equal(model.layers[0].fc.weight.grad, torch.ones(16, 16))
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_an_optimizer_zero_grad_in_the_step_keeps_outside_leaves_gradients(set_to_none):
+    # (tester, session 26) The optimizer also holds a weight outside the model and the step
+    # begins with its zero_grad(): the outside weight's gradient, found only at the first
+    # backward, had already been cleared (None, or zeros in place) by then, and was lost.
+    torch.manual_seed(0)
+    model = _BnStack()
+    x = torch.randn(8, 16)
+    scale = nn.Parameter(torch.ones(16))
+    opt = torch.optim.SGD(list(model.parameters()) + [scale], lr=0.1)
+    (model(x) * scale).sum().backward()  # the user's accumulated gradients
+    before = scale.grad.clone()
+    grads = [p.grad.clone() for p in model.parameters()]
+
+    def step():
+        opt.zero_grad(set_to_none=set_to_none)
+        (model(x) * scale).sum().backward()
+
+    plan_activation_memory(model, step, 0.5, candidates=["none", "checkpoint"])
+    assert scale.grad is not None and torch.equal(scale.grad, before)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    opt.zero_grad()  # the optimizer's own zero_grad works again outside planning
+    assert scale.grad is None
+
+
 def _twice(loss):
     loss.backward(retain_graph=True)
     loss.backward()
