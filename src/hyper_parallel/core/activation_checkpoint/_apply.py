@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ._checkpoint import checkpoint_wrapper
-from ._layers import LayerSlot, resolve_layer_slots, unwrapped
+from ._layers import LayerSlot, find_layer_slots, resolve_layer_slots, unwrapped
 from ._policy import CheckpointPolicy
 from ._errors import check_flag, check_module
 from ._policy_signature import check_swap_policy, is_per_tensor_policy
@@ -230,6 +230,25 @@ def _plan_strategies(plan, slots: list[LayerSlot]) -> list[str]:
     raise TypeError("hyper_parallel: plan must be a strategy name, a list (one per layer), a "
                     "dict {layer index or name: strategy}, or an object with a .strategies "
                     f"attribute holding one of those; got {type(plan).__name__}")
+
+
+def _layers_of_planner_plan(model: nn.Module, plan) -> list[str] | None:
+    """The layers a planner's plan (an object with ``strategies`` by layer name and a
+    predicted peak, e.g. an :class:`ActivationPlan`) was made for, where they are not the
+    layers :func:`find_layers` gives (it was planned with ``layers=``): its names, in its
+    order (the forward order it was profiled in). A tester, session 26: such a plan could
+    not be applied without repeating ``layers=``. None otherwise (find_layers decides)."""
+    if not isinstance(plan, LayerPlan) or isinstance(plan, (str, Mapping, Sequence)):
+        return None
+    named = plan.strategies
+    if not isinstance(named, Mapping) or getattr(plan, "predicted_peak_bytes", None) is None \
+            or not named or not all(isinstance(k, str) for k in named):
+        return None
+    try:
+        found = {s.name for s in find_layer_slots(model)}
+    except ValueError:
+        found = set()
+    return None if set(named) <= found else list(named)
 
 
 def _warn_uncovered(plan, slots: list[LayerSlot]) -> None:
@@ -478,7 +497,8 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
               :func:`remove_activation_memory` (or applying again) puts back the depth
               and window that were in place before.
         layers: which modules are the layers, in forward order: ``None`` (default:
-            :func:`find_layers`), a list of fully qualified names or of modules (wrapped
+            :func:`find_layers`; for a planner's plan that names other layers, the layers
+            it names, in its order), a list of fully qualified names or of modules (wrapped
             or not), or a predicate ``predicate(name, module) -> bool`` (matches in
             registration order; a match's submodules are not considered).
         policy_fn: replaces the default policy of the strategies that take one: an op
@@ -533,6 +553,8 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
                         f"{type(model).__name__}")
     check_flag("apply_activation_memory", "swap_inputs", swap_inputs)
     check_flag("apply_activation_memory", "group_swap", group_swap)
+    if layers is None:
+        layers = _layers_of_planner_plan(model, plan)
     slots = resolve_layer_slots(model, layers)
     strategies = _plan_strategies(plan, slots)
     _warn_uncovered(plan, slots)

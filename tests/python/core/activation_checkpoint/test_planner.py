@@ -842,3 +842,23 @@ def test_a_budget_above_one_met_is_met(n, seed, ratio, depth, met, above, host):
             assert got[1]["host_peak_bytes"] <= host
         again = _C.planner_evaluate(p, got[0])
         assert again["peak_bytes"] == got[1]["peak_bytes"]
+
+
+def test_a_plan_made_with_layers_is_applied_to_those_layers_without_repeating_them():
+    # (tester, session 26) plan_activation_memory(..., layers=...) gave a plan that
+    # apply_activation_memory(model, plan) refused ("plan names layer 'layers.1.fc1', which
+    # is not one of the 4 layers ... as find_layers(model) gives them"): a planner's plan
+    # names its layers, and they are the layers it is applied to.
+    model, x = _setup(layers=4)
+    names = [f"layers.{i}.fc1" for i in range(4)]
+    plan = plan_activation_memory(model, lambda: model(x).backward(), 1.0, layers=names,
+                                  candidates=["checkpoint"])
+    assert list(plan.strategies) == names
+    report = apply_activation_memory(model, plan)
+    assert [e.name for e in report] == names
+    remove_activation_memory(model)
+    # A plan naming find_layers' own layers is applied to them as before.
+    plan = plan_activation_memory(model, lambda: model(x).backward(), 0.6,
+                                  candidates=["checkpoint"])
+    assert [e.name for e in apply_activation_memory(model, plan)] == [
+        f"layers.{i}" for i in range(4)]
