@@ -567,6 +567,7 @@ def _layout(t):
 
 class _ModelState:
     """What profiling must leave as it found it (issue 11 tester R1, R2, R7): every
+    module's training flag, every
     buffer's object and values (BatchNorm statistics move at every training step), the
     random number generators of the host and the model's device (dropout draws), and the
     parameters, which a step must not change at all. Parameters are not copied (planning
@@ -602,6 +603,9 @@ class _ModelState:
         self.buffers = [(m, name, b, b.detach().clone())
                         for m in model.modules()
                         for name, b in m._buffers.items() if b is not None]
+        # each module's training flag (a step calling model.train() had left an eval-mode
+        # model in training mode after planning: a tester, session 26)
+        self.modes = [(m, m.training) for m in model.modules()]
         self.cpu_rng = torch.get_rng_state()
         self.device = device
         self.device_rng = None
@@ -657,6 +661,8 @@ class _ModelState:
                 "weights outside.")
 
     def restore(self) -> None:
+        for module, training in self.modes:
+            module.training = training
         with torch.no_grad():
             for module, name, original, saved in self.buffers:
                 original.copy_(saved)  # values changed in place (running statistics)

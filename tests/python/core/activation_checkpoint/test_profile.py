@@ -298,6 +298,23 @@ def test_an_optimizer_zero_grad_in_the_step_keeps_outside_leaves_gradients(set_t
     assert scale.grad is None
 
 
+def test_a_step_that_switches_the_mode_leaves_the_model_in_its_own_mode():
+    # (tester, session 26) step_fn called model.train() on an eval-mode model; planning
+    # left it in training mode (dropout on in the user's evaluation afterwards).
+    torch.manual_seed(0)
+    model = _BnStack().eval()
+    model.layers[1].train()  # a mixed state comes back as it was
+    modes = [m.training for m in model.modules()]
+    x = torch.randn(8, 16)
+
+    def step():
+        model.train()
+        model(x).sum().backward()
+
+    plan_activation_memory(model, step, 0.5, candidates=["none", "checkpoint"])
+    assert [m.training for m in model.modules()] == modes
+
+
 def _twice(loss):
     loss.backward(retain_graph=True)
     loss.backward()
