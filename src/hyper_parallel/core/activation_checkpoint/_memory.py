@@ -25,6 +25,7 @@ class SavedActivationMeter:
 
     def __init__(self) -> None:
         self._meter = _C.SavedBytesMeter()
+        self._owner: str | None = None  # the library function metering the user's step
 
     @property
     def peak_bytes(self) -> int:
@@ -126,6 +127,12 @@ def saved_activation_memory(framework: str = "torch",
     if parameters is not None:
         raise ValueError("hyper_parallel: saved_activation_memory(parameters=...) is for "
                          "MindSpore; torch's meter never counts parameters.")
+    if _active is not None and _active._owner is not None:
+        raise RuntimeError(
+            f"hyper_parallel: step_fn opens saved_activation_memory() while {_active._owner} "
+            "runs it under its own meter (it profiles and measures the step that way), and "
+            "meters do not nest. Give the planner the step without the meter; the plan's "
+            "predicted_peak_bytes and measured_peak_bytes give the peak.")
     meter = SavedActivationMeter()
     meter._meter.activate()
     _active = meter

@@ -445,6 +445,7 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
         _sync(device)
         start = probe.clock()
         with saved_activation_memory() as meter:
+            meter._owner = "the planner (plan_activation_memory / profile_activation_memory)"
             probe.meter = meter
             step_fn()
             _sync(device)
@@ -814,7 +815,19 @@ def _check_warmup(run: dict, layer_names: list[str]) -> None:
             "hyper_parallel: step_fn ran the forward but no backward (no parameter got a "
             "gradient); it must run one full training step without the optimizer, e.g. "
             "lambda: model(**batch).loss.backward().")
-    for name, most in zip(layer_names, run["most_live_forwards"]):
+    lives = run["most_live_forwards"]
+    shared = [name for name, most in zip(layer_names, lives) if most > 1]
+    if shared and len(shared) < len(layer_names) and min(lives) == 1:
+        # Some layers run twice per pass, the others once: a module called at several
+        # places of the forward (shared weights; a tester, session 26, was told to give
+        # one micro-batch per backward)
+        raise ValueError(
+            f"hyper_parallel: layer(s) {shared} run their forward several times in one pass "
+            "while the other layers run once: a module used at several places of the model "
+            "(shared weights). The planner models one forward and one backward per layer; "
+            "plan the other layers (layers=[...] without it), and apply a strategy to the "
+            "shared module yourself if it needs one.")
+    for name, most in zip(layer_names, lives):
         if most > 1:
             raise ValueError(
                 f"hyper_parallel: step_fn runs the forward of layer {name!r} {most} times "

@@ -315,6 +315,44 @@ def test_a_step_that_switches_the_mode_leaves_the_model_in_its_own_mode():
     assert [m.training for m in model.modules()] == modes
 
 
+def test_a_step_with_its_own_meter_is_refused_naming_the_planners():
+    # (tester, session 26) The error said "another saved_activation_memory() meter is
+    # already active; nesting meters is not supported" where the user's code had one meter:
+    # the planner's own was not named.
+    from hyper_parallel.core.activation_checkpoint import saved_activation_memory
+
+    torch.manual_seed(0)
+    model = _BnStack()
+    x = torch.randn(8, 16)
+
+    def step():
+        with saved_activation_memory():
+            model(x).sum().backward()
+
+    with pytest.raises(RuntimeError, match=r"step_fn opens saved_activation_memory\(\) while "
+                                           r"the planner .* runs it under its own meter"):
+        plan_activation_memory(model, step, 0.5, candidates=["none", "checkpoint"])
+    step()  # the user's meter works outside planning
+    assert all(type(layer) is _BnBlock for layer in model.layers)
+
+
+def test_a_layer_used_at_two_places_is_named_as_shared():
+    # (tester, session 26) A block used twice in one forward (shared weights) was refused
+    # as "several passes through the layers, one backward ... one micro-batch, one view",
+    # advice this model cannot follow.
+    torch.manual_seed(0)
+    model = _BnStack()
+    model.layers.append(model.layers[0])  # layers.3 is layers.0
+    x = torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"layer\(s\) \['layers.0'\] run their forward several "
+                                         r"times in one pass .*shared weights"):
+        plan_activation_memory(model, lambda: model(x).sum().backward(), 0.5,
+                               layers=["layers.0", "layers.1", "layers.2"],
+                               candidates=["none", "checkpoint"])
+    plan_activation_memory(model, lambda: model(x).sum().backward(), 0.9,
+                           layers=["layers.1", "layers.2"], candidates=["none", "checkpoint"])
+
+
 def _twice(loss):
     loss.backward(retain_graph=True)
     loss.backward()
