@@ -353,6 +353,36 @@ def test_a_layer_used_at_two_places_is_named_as_shared():
                            layers=["layers.1", "layers.2"], candidates=["none", "checkpoint"])
 
 
+class _InPlaceInput(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        x.mul_(0.5)  # writes its input in place: it cannot be recomputed from it
+        return torch.sin(self.fc(x)) * 2.0
+
+
+def test_candidates_the_model_cannot_run_are_dropped_with_a_warning():
+    # (tester, session 26) A layer that writes its input in place runs under "none" and
+    # "swap" but not under the recomputing strategies; planning was refused as a whole with
+    # autograd's error (naming neither layer nor strategy). Those candidates are now
+    # dropped, each with a warning, and the plan is made of the others.
+    from hyper_parallel.core.activation_checkpoint import SwapManager
+
+    SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_InPlaceInput() for _ in range(4)])
+    x = torch.randn(8, 16)
+    step = lambda: (model(x * 1.0) ** 2).sum().backward()  # noqa: E731
+    with pytest.warns(UserWarning, match="the candidate 'checkpoint' cannot run this step "
+                                         "\\(RuntimeError: .*in-place"):
+        plan = plan_activation_memory(model, step, 0.6)
+    assert set(plan.strategies.values()) <= {"none", "swap"}
+    assert plan.measured_peak_bytes <= plan.budget_bytes
+    assert all(type(layer) is _InPlaceInput for layer in model)
+
+
 def _twice(loss):
     loss.backward(retain_graph=True)
     loss.backward()
