@@ -436,7 +436,7 @@ def _is_transformers_model(model: nn.Module) -> bool:
     return base is not None and isinstance(unwrapped(model), base)
 
 
-def _refuse_hf_checkpointing(model: nn.Module) -> None:
+def _refuse_hf_checkpointing(model: nn.Module, then: str = "apply_activation_memory") -> None:
     on = [name for name, m in model.named_modules()
           if m.__dict__.get("gradient_checkpointing") is True]
     if on:
@@ -445,7 +445,28 @@ def _refuse_hf_checkpointing(model: nn.Module) -> None:
             f"(in {on[0]}{' and others' if len(on) > 1 else ''}); its layers would be recomputed "
             "by transformers and managed by hyper_parallel at once. Call "
             "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in "
-            "recent transformers) first, then apply_activation_memory.")
+            f"recent transformers) first, then {then}.")
+
+
+def check_plannable(model: nn.Module, slots: list[LayerSlot]) -> None:
+    """What apply_activation_memory would refuse for every strategy, checked before the
+    planner runs a step (a tester, session 26: Hugging Face gradient checkpointing and a
+    layer wrapped by hand were refused after the warm-up steps, in apply's words).
+
+    Raises:
+        ValueError: a layer wrapped by hand (not by apply_activation_memory), or a
+            ``transformers`` model with its own gradient checkpointing on.
+    """
+    for slot in slots:
+        current = slot.current
+        if getattr(current, "_hp_is_wrapper", False) and current not in _applied_by:
+            raise ValueError(
+                f"hyper_parallel: layer {slot.name} is already wrapped by "
+                f"{type(current).__name__} (by hand, not by apply_activation_memory); the "
+                "planner chooses each layer's strategy itself: give it the unwrapped model, "
+                "or leave that layer out of layers=.")
+    if _is_transformers_model(model):
+        _refuse_hf_checkpointing(model, then="plan")
 
 
 # ---------------------------------------------------------------------------- apply

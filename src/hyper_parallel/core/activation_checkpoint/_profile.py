@@ -72,8 +72,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from ._apply import (STRATEGIES, apply_activation_memory, remove_activation_memory,
-                     suspended_application)
+from ._apply import (STRATEGIES, apply_activation_memory, check_plannable,
+                     remove_activation_memory, suspended_application)
 from ._clock import step_clock
 from ._layers import resolve_layer_slots
 from ._memory import saved_activation_memory
@@ -1192,6 +1192,7 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
                 "(SwapManager().set_cpu_swap(True), or HYPER_PARALLEL_CPU_SWAP=1) to plan "
                 "them.", UserWarning, stacklevel=2)
     slots = resolve_layer_slots(model, layers)
+    check_plannable(model, slots)
     layer_names = [s.name for s in slots]
     runs: dict[str, dict] = {}
     with _left_as_found(model, params, device) as state:

@@ -383,6 +383,42 @@ def test_candidates_the_model_cannot_run_are_dropped_with_a_warning():
     assert all(type(layer) is _InPlaceInput for layer in model)
 
 
+def test_what_no_strategy_could_run_is_refused_before_any_step():
+    # (tester, session 26) A layer wrapped by hand and Hugging Face gradient checkpointing
+    # were refused only after the warm-up steps, in apply_activation_memory's words.
+    from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = _BnStack()
+    model.layers[1] = checkpoint_wrapper(model.layers[1])
+    x = torch.randn(8, 16)
+    calls = []
+
+    def step():
+        calls.append(1)
+        model(x).sum().backward()
+
+    with pytest.raises(ValueError, match="layer layers.1 is already wrapped by "
+                                         "CheckpointWrapper \\(by hand.*the planner chooses"):
+        plan_activation_memory(model, step, 0.5)
+    assert calls == []
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, max_position_embeddings=32)
+    llama = transformers.LlamaForCausalLM(cfg)
+    llama.gradient_checkpointing_enable()
+    ids = torch.randint(0, 64, (1, 8))
+
+    def hf_step():
+        calls.append(1)
+        llama(input_ids=ids, labels=ids).loss.backward()
+
+    with pytest.raises(ValueError, match="Hugging Face gradient checkpointing on .* then plan"):
+        plan_activation_memory(llama, hf_step, 0.5)
+    assert calls == []
+
+
 def _twice(loss):
     loss.backward(retain_graph=True)
     loss.backward()
