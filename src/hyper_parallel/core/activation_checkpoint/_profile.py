@@ -75,6 +75,7 @@ from torch import nn
 from ._apply import (STRATEGIES, apply_activation_memory, check_plannable,
                      remove_activation_memory, suspended_application)
 from ._clock import step_clock
+from ._warnings import warn as warn_user
 from ._layers import resolve_layer_slots
 from ._memory import saved_activation_memory
 from ._swap_manager import SwapManager
@@ -1287,7 +1288,35 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
         device=str(device),
         timing_scales=timing_scales,
     )
+    _warn_unlike_passes(profile)
     return _worst_over_ranks(profile, device)
+
+
+#: How far above the cost model's "none" peak the measured one may lie before profiling
+#: warns that the step's passes differ (the figures read the first pass).
+_UNLIKE_PASSES_RATIO = 1.25
+
+
+def _warn_unlike_passes(profile: ActivationProfile) -> None:
+    """Warns when the measured "none" peak is well above what the per-layer figures (read
+    at each layer's first forward and backward) predict: a step whose later passes are
+    larger than its first (gradient-accumulation micro-batches of unequal sizes; a
+    tester, session 26: a 1 x 8 micro-batch then a 4 x 64 one, every layer planned
+    checkpoint_swap where plain checkpointing of three layers met the budget, and the
+    plan's explain() 30x below its measured peak, without a word)."""
+    from ._planner import predict  # noqa: PLC0415 (the planner imports this module)
+
+    n = len(profile.layer_names)
+    predicted = predict(profile, ["none"] * n, offload_window=0)["peak_bytes"]
+    measured = profile.none_peak_bytes
+    if predicted > 0 and measured > _UNLIKE_PASSES_RATIO * predicted:
+        warn_user(
+            f"hyper_parallel: the step's peak under 'none' measured {measured} bytes, "
+            f"{measured / predicted:.1f}x the {predicted} bytes its layers' first forward and "
+            "backward account for: its later passes are larger than its first (micro-batches "
+            "of unequal sizes?). The planner reads the first; its plans are measured on the "
+            "model before they are returned, but may be slower than needed. Give step_fn its "
+            "largest micro-batch first, or one micro-batch of the largest size.")
 
 
 @contextlib.contextmanager

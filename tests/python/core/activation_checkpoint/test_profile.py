@@ -419,6 +419,30 @@ def test_what_no_strategy_could_run_is_refused_before_any_step():
     assert calls == []
 
 
+def test_micro_batches_larger_than_the_first_are_warned_about():
+    # (tester, session 26) Gradient accumulation over a small micro-batch then a large one:
+    # the profile reads each layer's first pass, so the cost model saw 1/37 of the bytes,
+    # the plan was far slower than needed and its explain() 30x below its measured peak,
+    # without a word. Equal micro-batches, or the largest first, give no warning.
+    import warnings
+
+    torch.manual_seed(0)
+    model = _BnStack()
+    small, large = torch.randn(2, 16), torch.randn(64, 16)
+    for order, warned in (((small, large), True), ((large, small), False), ((large, large), False)):
+        def step(order=order):
+            for x in order:
+                model(x).sum().backward()
+
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            profile_activation_memory(model, step, candidates=["checkpoint"], repeats=1)
+        hits = [w for w in seen if "its later passes are larger than its first" in str(w.message)]
+        assert bool(hits) is warned, order
+        if hits:
+            assert hits[0].filename == __file__
+
+
 def _twice(loss):
     loss.backward(retain_graph=True)
     loss.backward()
