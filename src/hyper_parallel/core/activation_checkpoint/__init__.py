@@ -27,9 +27,10 @@ from ._host_pool import PinnedMemoryPool
 from ._ignored_ops import ignore_sac_ops
 from ._layers import find_layers
 from ._memory import SavedActivationMeter, saved_activation_memory
-from ._planner import ActivationPlan, InfeasibleBudgetError, parse_budget, plan_activation_memory
+from ._planner import (ActivationPlan, InfeasibleBudgetError, parse_budget, plan_activation_memory,
+                       plan_from_profile)
 from ._policy import CheckpointPolicy
-from ._profile import ActivationProfile, profile_activation_memory
+from ._profile import ActivationProfile, measure_plan, profile_activation_memory
 from ._recompute_state import RecomputeState, get_recompute_state, is_recomputing
 from ._scheduled import (RecomputeHandle, clear_recompute_session, recompute_handle,
                          recompute_handle_collector_ctx, recompute_session_ctx)
@@ -75,8 +76,10 @@ __all__ = [
     "get_recompute_state",
     "ignore_sac_ops",
     "is_recomputing",
+    "measure_plan",
     "parse_budget",
     "plan_activation_memory",
+    "plan_from_profile",
     "profile_activation_memory",
     "recompute_handle",
     "recompute_handle_collector_ctx",

@@ -66,20 +66,20 @@ import contextlib
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
-from ._apply import (STRATEGIES, apply_activation_memory, check_plannable,
+from ._apply import (STRATEGIES, LayerPlan, apply_activation_memory, check_plannable,
                      remove_activation_memory, suspended_application)
 from ._clock import step_clock
-from ._warnings import warn as warn_user
-from ._layers import resolve_layer_slots
+from ._layers import find_layers, resolve_layer_slots
 from ._memory import saved_activation_memory
 from ._swap_manager import SwapManager
 from ._trace import activation_trace
+from ._warnings import warn as warn_user
 from ..._extension import _C
 
 #: The planner's default candidates, in the order they are profiled.
@@ -1395,8 +1395,9 @@ def measure_plan(model: nn.Module, step_fn: Callable[[], object], plan, *,
     as :func:`profile_activation_memory` leaves it (gradients, buffers, random number
     generators, the user's own application).
 
-    ``plan``: an :class:`ActivationPlan` or a ``{layer name: strategy}`` dict (what
-    :func:`apply_activation_memory` takes), its names the profile's layer names.
+    ``plan``: what :func:`apply_activation_memory` takes (a strategy name, a list, a dict
+    by layer index or name, an :class:`ActivationPlan`), applied to the layers
+    :func:`find_layers` gives, or to the layers a plan's names give where they are others.
 
     Raises:
         ValueError: for ``steps`` < 1 or a plan :func:`apply_activation_memory` refuses.
@@ -1407,13 +1408,30 @@ def measure_plan(model: nn.Module, step_fn: Callable[[], object], plan, *,
     params = list(model.parameters())
     _check_initialized(model, params)
     device = model_device(model)
-    layer_names = list(plan.strategies if hasattr(plan, "strategies") else plan)
+    layer_names = _measured_layers(model, plan)
     with _left_as_found(model, params, device) as state:
         apply_activation_memory(model, plan, layers=layer_names)
         for _ in range(steps):
             run = _run_step(step_fn, model, layer_names, device, params)
             state.check_parameters()
     return {"peak_bytes": run["peak_bytes"], "step_seconds": run["step_seconds"]}
+
+
+def _measured_layers(model: nn.Module, plan) -> list[str]:
+    """The layers ``measure_plan`` applies ``plan`` to and reads: those a plan's names give
+    where :func:`find_layers` does not give them all (a plan made with ``layers=``), else
+    find_layers' (a tester, session 26: "checkpoint" was read as the layers 'c', 'h', ...)."""
+    named = plan
+    if isinstance(plan, LayerPlan) and not isinstance(plan, (str, Mapping, Sequence)):
+        named = plan.strategies
+    try:
+        found = find_layers(model)
+    except ValueError:
+        found = []
+    if isinstance(named, Mapping) and named and all(isinstance(k, str) for k in named) \
+            and not set(named) <= set(found):
+        return list(named)
+    return find_layers(model)  # (raises, naming layers=, where none are found)
 
 
 def _worst_over_ranks(profile: ActivationProfile, device: torch.device) -> ActivationProfile:

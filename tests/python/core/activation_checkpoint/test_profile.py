@@ -443,6 +443,23 @@ def test_micro_batches_larger_than_the_first_are_warned_about():
             assert hits[0].filename == __file__
 
 
+def test_measure_plan_takes_every_plan_form_apply_takes():
+    # (tester, session 26) measure_plan read a strategy name as the layers 'c', 'h', ...,
+    # a list as layer names, and refused a dict by index; it was also not exported.
+    from hyper_parallel.core.activation_checkpoint import measure_plan as exported
+
+    torch.manual_seed(0)
+    model = _BnStack()
+    x = torch.randn(8, 16)
+    step = lambda: model(x).sum().backward()  # noqa: E731
+    by_name = {f"layers.{i}": "checkpoint" for i in range(3)}
+    want = exported(model, step, by_name)["peak_bytes"]
+    for form in ("checkpoint", ["checkpoint"] * 3, {0: "checkpoint", 1: "checkpoint",
+                                                   -1: "checkpoint"}):
+        assert exported(model, step, form)["peak_bytes"] == want, form
+    assert exported(model, step, "none")["peak_bytes"] > want
+
+
 def _twice(loss):
     loss.backward(retain_graph=True)
     loss.backward()
