@@ -211,6 +211,15 @@ class ActivationProfile:
 
     @classmethod
     def from_dict(cls, d: dict) -> ActivationProfile:
+        """The profile :meth:`to_dict` wrote.
+
+        Raises:
+            ValueError: naming the field, for a structure that is not such a profile (a
+                missing or unknown field, per-layer lists of another length than
+                ``layer_names``, strategies without costs or measurements, a byte count
+                that is not an int >= 0, a time that is not a finite number >= 0).
+        """
+        _check_profile_dict(d)
         d = dict(d)
         d["costs"] = {k: [LayerCost(**c) for c in v] for k, v in d["costs"].items()}
         d["d2h"] = CopyLink(**d["d2h"])
@@ -221,6 +230,97 @@ class ActivationProfile:
         if old is not None and "timing_scales" not in d:
             d["timing_scales"] = {name: float(old) for name in d.get("strategies", [])}
         return cls(**d)
+
+
+def _check_profile_dict(d) -> None:
+    """ActivationProfile.from_dict's checks (a tester, session 26: an edited profile failed
+    with a bare IndexError, KeyError or a pybind11 signature dump)."""
+    import dataclasses
+    import math
+
+    def bad(what: str):
+        raise ValueError(f"hyper_parallel: not an ActivationProfile dict: {what}")
+
+    def check_int(v, where: str) -> None:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            bad(f"{where} must be an int >= 0, got {v!r}")
+
+    def check_seconds(v, where: str) -> None:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or v < 0:
+            bad(f"{where} must be a finite number >= 0, got {v!r}")
+
+    def check_fields(obj, kind, where: str) -> None:
+        if not isinstance(obj, Mapping):
+            bad(f"{where} must be a dict, got {type(obj).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(kind)}
+        unknown = sorted(set(obj) - set(fields))
+        if unknown:
+            bad(f"{where} has unknown fields {unknown}")
+        for name, f in fields.items():
+            if name not in obj:
+                if f.default is dataclasses.MISSING:
+                    bad(f"{where} lacks field {name!r}")
+                continue
+            (check_int if f.type in ("int", int) else check_seconds)(obj[name],
+                                                                     f"{where}.{name}")
+
+    if not isinstance(d, Mapping):
+        bad(f"expected a dict, got {type(d).__name__}")
+    known = {f.name for f in dataclasses.fields(ActivationProfile)} | {"timing_scale"}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        bad(f"unknown fields {unknown}")
+    for name in ("layer_names", "strategies", "costs", "base_bytes", "tail_bytes",
+                 "tail_seconds", "outside_seconds", "d2h", "h2d"):
+        if name not in d:
+            bad(f"missing field {name!r}")
+    names = d["layer_names"]
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names) \
+            or len(set(names)) != len(names):
+        bad("'layer_names' must be a non-empty list of distinct layer names")
+    strategies = d["strategies"]
+    if not isinstance(strategies, list) or "none" not in strategies or any(
+            s not in STRATEGIES or s == "mixed" for s in strategies):
+        bad(f"'strategies' must be a list of per-layer strategy names holding 'none', got "
+            f"{strategies!r}")
+    costs = d["costs"]
+    if not isinstance(costs, Mapping) or set(costs) != set(strategies):
+        bad(f"'costs' must hold one entry per strategy of 'strategies' ({strategies}), got "
+            f"{sorted(costs) if isinstance(costs, Mapping) else type(costs).__name__}")
+    for s, rows in costs.items():
+        if not isinstance(rows, list) or len(rows) != len(names):
+            bad(f"costs[{s!r}] must be a list of one entry per layer ({len(names)})")
+        for k, row in enumerate(rows):
+            check_fields(row, LayerCost, f"costs[{s!r}][{k}]")
+    for link in ("d2h", "h2d"):
+        check_fields(d[link], CopyLink, link)
+    for name in ("base_bytes", "tail_bytes", "tail_held_bytes", "world_size"):
+        if name in d:
+            check_int(d[name], name)
+    for name in ("tail_seconds", "outside_seconds"):
+        check_seconds(d[name], name)
+    measured = d.get("measured", {})
+    if not isinstance(measured, Mapping) or not set(strategies) <= set(measured):
+        bad("'measured' must hold {'peak_bytes', 'step_seconds'} for every strategy")
+    for s in strategies:
+        m = measured[s]
+        if not isinstance(m, Mapping) or set(m) != {"peak_bytes", "step_seconds"}:
+            bad(f"measured[{s!r}] must be {{'peak_bytes': int, 'step_seconds': float}}")
+        check_int(m["peak_bytes"], f"measured[{s!r}].peak_bytes")
+        check_seconds(m["step_seconds"], f"measured[{s!r}].step_seconds")
+    out = d.get("output_bytes", [])
+    if not isinstance(out, list) or (out and len(out) != len(names)):
+        bad("'output_bytes' must be a list of one int per layer")
+    for k, v in enumerate(out):
+        check_int(v, f"output_bytes[{k}]")
+    scales = d.get("timing_scales", {})
+    if not isinstance(scales, Mapping):
+        bad("'timing_scales' must be a dict strategy -> factor")
+    for s, v in scales.items():
+        check_seconds(v, f"timing_scales[{s!r}]")
+    if "device" in d and not isinstance(d["device"], str):
+        bad(f"'device' must be a str, got {d['device']!r}")
 
 
 def check_candidates(candidates) -> list[str]:

@@ -838,6 +838,38 @@ def test_the_profile_runs_each_strategy_plain_once_per_round_and_says_its_scales
     assert type(profile).from_dict(old).timing_scales == {}
 
 
+def test_an_edited_profile_dict_is_refused_naming_the_field():
+    # (tester, session 26) ActivationProfile.from_dict checked nothing: an edited profile
+    # failed later with a bare IndexError, KeyError or a pybind11 signature dump.
+    import copy
+
+    torch.manual_seed(0)
+    model = _BnStack()
+    x = torch.randn(8, 16)
+    profile = profile_activation_memory(model, lambda: model(x).sum().backward(),
+                                        candidates=["checkpoint"], repeats=1)
+    good = profile.to_dict()
+    assert type(profile).from_dict(copy.deepcopy(good)).to_dict() == good
+    edits = [
+        (lambda d: d["costs"]["checkpoint"].pop(), r"costs\['checkpoint'\] must be a list of "
+                                                   r"one entry per layer \(3\)"),
+        (lambda d: d["strategies"].append("swap"), "'costs' must hold one entry per strategy"),
+        (lambda d: d["costs"]["none"][0].__setitem__("kept_bytes", 1.5),
+         r"costs\['none'\]\[0\].kept_bytes must be an int >= 0, got 1.5"),
+        (lambda d: d["layer_names"].append("extra"), ".*one entry per layer \\(4\\)"),
+        (lambda d: d["d2h"].pop("seconds_per_byte"), "d2h lacks field 'seconds_per_byte'"),
+        (lambda d: d.__setitem__("tail_seconds", float("nan")), "tail_seconds must be a finite"),
+        (lambda d: d["measured"].pop("checkpoint"), "'measured' must hold"),
+        (lambda d: d.__setitem__("extra", 1), r"unknown fields \['extra'\]"),
+    ]
+    for edit, match in edits:
+        d = copy.deepcopy(good)
+        edit(d)
+        with pytest.raises(ValueError, match="hyper_parallel: not an ActivationProfile dict: "
+                                             + match):
+            type(profile).from_dict(d)
+
+
 def _measured_peak(model, step, plan):
     SwapManager().set_cpu_swap(True, delay_ns_per_byte=0.0)  # each test starts with it off
     names = [f"model.layers.{k}" for k in range(len(plan))]
