@@ -858,6 +858,17 @@ def remove_activation_memory(model: nn.Module) -> bool:
     check_module("remove_activation_memory", model)
     state: _Applied | None = unwrapped(model).__dict__.pop(_STATE, None)
     if state is None:
+        # A plan applied by a module that contains this one (remove it there): said, not
+        # silently False (a tester, session 26).
+        refs = [_applied_by.get(m) for m in model.modules()]
+        owners = [o for o in (r() for r in refs if r is not None)
+                  if o is not None and o is not unwrapped(model)]
+        if owners:
+            owner = owners[0]
+            warn_user(f"hyper_parallel: remove_activation_memory: {type(model).__name__} has no "
+                      f"plan of its own; its layers are under a plan applied to a "
+                      f"{type(owner).__name__} that contains it. Call "
+                      "remove_activation_memory() on that module.")
         return False
     for handle in state.cache_hooks:
         handle.remove()

@@ -450,6 +450,19 @@ def test_apply_over_a_plan_applied_to_a_submodule_says_remove_it_first():
     assert all(type(b) is Block for b in outer.body.layers)
 
 
+def test_remove_on_a_submodule_of_the_planned_model_says_where_the_plan_is():
+    # (tester, session 26) remove_activation_memory(model.inner) returned False in silence
+    # where the plan sat on the parent: the layers stayed wrapped.
+    outer = nn.Module()
+    outer.inner = Stack(layers=3)
+    apply_activation_memory(outer, "checkpoint")
+    with pytest.warns(UserWarning, match="Stack has no plan of its own; its layers are under a "
+                                         "plan applied to a Module that contains it"):
+        assert remove_activation_memory(outer.inner) is False
+    assert remove_activation_memory(outer) is True
+    assert remove_activation_memory(outer.inner) is False  # nothing applied anywhere: quiet
+
+
 def test_apply_options_must_be_bool():
     for name in ("group_swap", "swap_inputs"):
         with pytest.raises(TypeError, match=rf"^hyper_parallel: apply_activation_memory's {name} "
