@@ -264,11 +264,13 @@ class InfeasibleBudgetError(ValueError):
         plan: the fastest plan at that peak (an :class:`ActivationPlan`; from
             :func:`plan_activation_memory` with ``measured_peak_bytes`` set), or ``None``.
         host_budget_bytes: the host budget asked for (``None``: unbounded).
-        min_peak_bound_bytes: a proven lower bound of the smallest peak: no plan peaks
-            below it. Equal to ``min_peak_bytes`` where that is proven the least (always
-            without a host budget); under a host budget the least peak is a knapsack
-            problem, whose exact search stops at a label limit (Planner.h, ``min_peak``),
-            and the two may differ by a fraction of a percent.
+        min_peak_bound_bytes: a lower bound of the smallest peak the cost model proves: no
+            plan is predicted below it. Equal to ``min_peak_bytes`` where that is proven the
+            least (always without a host budget); under a host budget the least peak is a
+            knapsack problem, whose exact search stops at a label limit (Planner.h,
+            ``min_peak``), and the two may differ by a fraction of a percent. From
+            :func:`plan_activation_memory`, at most the smallest peak measured (the model
+            can differ from its prediction; see ``min_peak_bytes``).
     """
 
     def __init__(self, message: str, budget_bytes: int, min_peak_bytes: int | None,
