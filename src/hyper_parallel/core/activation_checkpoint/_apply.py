@@ -232,17 +232,20 @@ def _plan_strategies(plan, slots: list[LayerSlot]) -> list[str]:
                     f"attribute holding one of those; got {type(plan).__name__}")
 
 
-def _layers_of_planner_plan(model: nn.Module, plan) -> list[str] | None:
-    """The layers a planner's plan (an object with ``strategies`` by layer name and a
-    predicted peak, e.g. an :class:`ActivationPlan`) was made for, where they are not the
-    layers :func:`find_layers` gives (it was planned with ``layers=``): its names, in its
-    order (the forward order it was profiled in). A tester, session 26: such a plan could
-    not be applied without repeating ``layers=``. None otherwise (find_layers decides)."""
-    if not isinstance(plan, LayerPlan) or isinstance(plan, (str, Mapping, Sequence)):
-        return None
-    named = plan.strategies
-    if not isinstance(named, Mapping) or getattr(plan, "predicted_peak_bytes", None) is None \
-            or not named or not all(isinstance(k, str) for k in named):
+def plan_layer_names(model: nn.Module, plan, *, plain_dicts: bool = False) -> list[str] | None:
+    """The layers a plan names by layer name, in its order, where they are not all among
+    the layers :func:`find_layers` gives (it was planned with ``layers=``); None otherwise
+    (find_layers decides). Only a planner's plan (an object with ``strategies`` by layer
+    name and a predicted peak, e.g. an :class:`ActivationPlan`) counts, and with
+    ``plain_dicts`` (``measure_plan``) a ``{name: strategy}`` dict too. A tester, session
+    26: such a plan could not be applied without repeating ``layers=``."""
+    if isinstance(plan, LayerPlan) and not isinstance(plan, (str, Mapping, Sequence)):
+        named = plan.strategies if getattr(plan, "predicted_peak_bytes", None) is not None \
+            else None
+    else:
+        named = plan if plain_dicts else None
+    if not isinstance(named, Mapping) or not named \
+            or not all(isinstance(k, str) for k in named):
         return None
     try:
         found = {s.name for s in find_layer_slots(model)}
@@ -575,7 +578,7 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
     check_flag("apply_activation_memory", "swap_inputs", swap_inputs)
     check_flag("apply_activation_memory", "group_swap", group_swap)
     if layers is None:
-        layers = _layers_of_planner_plan(model, plan)
+        layers = plan_layer_names(model, plan)
     slots = resolve_layer_slots(model, layers)
     strategies = _plan_strategies(plan, slots)
     _warn_uncovered(plan, slots)

@@ -795,8 +795,16 @@ def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
         # smallest predicted): neither optimal nor bounded for it.
         return dataclasses.replace(plan, exact=False, lower_bound_seconds=None)
 
+    uniform_plans: list[ActivationPlan] = []  # uniform(), built once when first needed
+
+    def uniform_once() -> list[ActivationPlan]:
+        if not uniform_plans:
+            uniform_plans.extend(uniform())
+        return uniform_plans
+
     def fallback() -> ActivationPlan | None:
-        for plan in [p for p in uniform() if p.measured_peak_bytes <= budget][:_UNIFORM_ROUNDS]:
+        for plan in [p for p in uniform_once()
+                     if p.measured_peak_bytes <= budget][:_UNIFORM_ROUNDS]:
             if any(p.strategies == plan.strategies for p in tried):
                 continue
             plan = measure(plan)  # (built without solver stats: not exact, no bound)
@@ -809,7 +817,7 @@ def _closed_loop(budget: int, decide: Callable[[int], ActivationPlan],
         # The least measured peak over the plans run and the uniform ones the profile
         # measured (those measured again here count with their new figures).
         seen = {tuple(p.strategies.items()) for p in tried}
-        pool = tried + [p for p in uniform() if tuple(p.strategies.items()) not in seen]
+        pool = tried + [p for p in uniform_once() if tuple(p.strategies.items()) not in seen]
         return min(pool, key=lambda p: (p.measured_peak_bytes, p.measured_step_seconds))
 
     target = budget

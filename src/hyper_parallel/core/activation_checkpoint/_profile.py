@@ -72,7 +72,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from ._apply import (STRATEGIES, LayerPlan, apply_activation_memory, check_plannable,
+from ._apply import (STRATEGIES, apply_activation_memory, check_plannable, plan_layer_names,
                      remove_activation_memory, suspended_application)
 from ._clock import step_clock
 from ._layers import find_layers, resolve_layer_slots
@@ -1508,30 +1508,15 @@ def measure_plan(model: nn.Module, step_fn: Callable[[], object], plan, *,
     params = list(model.parameters())
     _check_initialized(model, params)
     device = model_device(model)
-    layer_names = _measured_layers(model, plan)
+    # (the layers apply gives the plan, named for the probe: a tester, session 26,
+    # had "checkpoint" read as the layers 'c', 'h', ...)
+    layer_names = plan_layer_names(model, plan, plain_dicts=True) or find_layers(model)
     with _left_as_found(model, params, device) as state:
         apply_activation_memory(model, plan, layers=layer_names)
         for _ in range(steps):
             run = _run_step(step_fn, model, layer_names, device, params)
             state.check_parameters()
     return {"peak_bytes": run["peak_bytes"], "step_seconds": run["step_seconds"]}
-
-
-def _measured_layers(model: nn.Module, plan) -> list[str]:
-    """The layers ``measure_plan`` applies ``plan`` to and reads: those a plan's names give
-    where :func:`find_layers` does not give them all (a plan made with ``layers=``), else
-    find_layers' (a tester, session 26: "checkpoint" was read as the layers 'c', 'h', ...)."""
-    named = plan
-    if isinstance(plan, LayerPlan) and not isinstance(plan, (str, Mapping, Sequence)):
-        named = plan.strategies
-    try:
-        found = find_layers(model)
-    except ValueError:
-        found = []
-    if isinstance(named, Mapping) and named and all(isinstance(k, str) for k in named) \
-            and not set(named) <= set(found):
-        return list(named)
-    return find_layers(model)  # (raises, naming layers=, where none are found)
 
 
 def _worst_over_ranks(profile: ActivationProfile, device: torch.device) -> ActivationProfile:
