@@ -68,7 +68,14 @@ void SavedBytesMeter::observe(const at::Tensor& t) {
   const c10::StorageImpl* key = storage.unsafeGetStorageImpl();
   std::lock_guard<std::mutex> lock(mu_);
   ++observes_since_watch_;
-  if (recount_all_ || !suspects_.empty()) settle_locked();
+  // A watched storage may die with no release to announce it (its last other holder lets
+  // go): the watch is checked here too, at every observe while it is short, else once per
+  // as many observes as it holds (settle_locked).
+  if (recount_all_ || !suspects_.empty() ||
+      (!watch_.empty() &&
+       (watch_.size() <= kWatchEveryObserve || observes_since_watch_ >= watch_.size()))) {
+    settle_locked();
+  }
   auto it = seen_.find(key);
   if (it != seen_.end() && !it->second.storage.expired()) {
     Seen& s = it->second;

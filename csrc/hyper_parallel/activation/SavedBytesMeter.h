@@ -15,7 +15,10 @@
 // had not: its storage counted until the next sample(), and a user's meter read 1.8 %
 // above the planner's sampled one), and the next observe()
 // first takes those of them that died out of the total (a released storage still alive is
-// watched, and taken out once it dies): a storage freed between two
+// watched, and taken out once it dies: the watch is checked at observes too, so one whose
+// other holder lets go later leaves before the next saves are added; it had waited for
+// the next release or sample, and CI read one micro-batch's peak 43 % high): a storage
+// freed between two
 // forwards (the backward of one gradient-accumulation micro-batch before the next one's
 // forward) leaves it before the next one is added. O(1) per saved tensor and per release
 // (a tester's 8 000-layer forward that dropped a graph per layer: a recount of every
@@ -85,8 +88,11 @@ class SavedBytesMeter {
   mutable std::mutex mu_;
   std::vector<const c10::StorageImpl*> suspects_;  // note_release() since the last settle
   // Released storages found alive (held by the caller): checked again at each settle
-  // while at most kWatchAlways, else once per watch_.size() observes (amortized O(1)).
+  // while at most kWatchAlways, else once per watch_.size() observes (amortized O(1)); an
+  // observe with no new release checks a watch of at most kWatchEveryObserve, else once per
+  // watch_.size() observes.
   static constexpr size_t kWatchAlways = 256;
+  static constexpr size_t kWatchEveryObserve = 16;
   std::unordered_set<const c10::StorageImpl*> watch_;
   size_t observes_since_watch_ = 0;
   bool recount_all_ = false;                        // a suspect could not be recorded

@@ -250,6 +250,35 @@ TEST(ThreadCopyEngineTest, ReleaseAfterFreesOnlyAfterQueuedCopies) {
   EXPECT_TRUE(same_bytes(host, pattern));
 }
 
+// A reader that saw a batch's event complete and then drops the last tensor of a reload
+// target frees its storage then: the finished batch no longer holds it. (The worker had
+// dropped a batch's references only after completing its event, so a storage autograd
+// released right after its reload lived on for a moment on the worker thread, and the
+// saved-activation meter counted it into the next micro-batch's forward: CI, session 26.)
+TEST(ThreadCopyEngineTest, ACompletedBatchHoldsNoReferenceToItsTensors) {
+  ThreadCopyEngine engine(/*delay_ns_per_byte=*/0.5);  // on the worker, not inline
+  for (int round = 0; round < 300; ++round) {
+    const auto direction =
+        round % 2 == 0 ? CopyDirection::kHostToDevice : CopyDirection::kDeviceToHost;
+    at::Tensor target = random_bytes(4096, 100 + round);
+    at::Tensor host = host_block(4096);
+    CopyEventPtr done;
+    {
+      CopyPlan plan;
+      plan.host = host;
+      plan.items.push_back(CopyItem{target, 0});
+      done = engine.submit(direction, kCpu, plan, {});
+    }
+    while (!done->query()) {
+      // spin: look the moment the event completes
+    }
+    ASSERT_EQ(target.use_count(), 1) << "round " << round << ": the engine still holds the "
+                                     << (direction == CopyDirection::kHostToDevice
+                                             ? "reload target" : "device bytes");
+    ASSERT_EQ(host.use_count(), 1) << "round " << round << ": the engine still holds the host block";
+  }
+}
+
 TEST(ThreadCopyEngineTest, ReleaseAfterWithNothingQueuedFreesPromptly) {
   ThreadCopyEngine engine;
   ReleaseProbe probe;

@@ -90,28 +90,34 @@ def test_a_retained_graph_still_counts():
 @pytest.mark.parametrize("kept_graph", [False, True], ids=["recounted", "watched"])
 def test_what_the_caller_holds_counts_until_it_is_freed(kept_graph):
     # A storage counts while it is alive (SavedBytesMeter.h): the last micro-batch's output
-    # that the loop variable holds into the next forward counts there, and leaves once the
+    # that the caller holds through the next micro-batch counts there, and leaves once the
     # variable moves on (it had been checked once, alive, at its release, and then stayed
-    # counted: the peak grew with every micro-batch).
+    # counted: the peak grew with every micro-batch). Held only through the next forward
+    # (`out = model(x)` drops it as that forward returns) it never adds to the peak: the
+    # end of that forward holds as much; the meter had read it added, counting it after it
+    # died.
     model = _model()
     x = torch.randn(16, 32)
 
-    def loop(n):
+    def loop(n, hold=True):
         # a graph kept alive throughout (64 saved storages): a backward then releases fewer
         # saved objects than the meter holds storages, so it checks the released ones alone
         # (without it, more: it recounts every storage)
         kept = torch.randn(4, requires_grad=True)
         for _ in range(64 if kept_graph else 0):
             kept = kept.sin()
-        out = None
+        held = out = None
         for _ in range(n):
-            out = model(x)
+            out = model(x)  # without `held`, the previous output dies as this forward returns
             out.pow(2).sum().backward()  # pow saves out
-        del out, kept
+            held = out if hold else None  # held through the next micro-batch
+        del out, held, kept
 
+    one = _peak(lambda: loop(1))
     two = _peak(lambda: loop(2))
-    assert two > _peak(lambda: loop(1))  # the held output counts in the second forward
+    assert two == one + 16 * 32 * 4  # the held output counts in the second micro-batch
     assert _peak(lambda: loop(6)) == two
+    assert _peak(lambda: loop(6, hold=False)) == one
 
 
 def test_graphs_dropped_in_every_layer_leave_the_total():
