@@ -13,17 +13,20 @@ void bind_planner(py::module_& m) {
                          "One strategy's profiled cost for one layer (bytes, seconds); see "
                          "csrc/hyper_parallel/planner/CostModel.h.")
       .def(py::init([](int64_t kept, int64_t offload, double fwd, double bwd, int64_t deferred,
-                       int64_t shared, int64_t held) {
-             return OptionCost{kept, offload, fwd, bwd, deferred, shared, held};
+                       int64_t shared, int64_t held, int64_t input, int64_t output) {
+             return OptionCost{kept, offload, fwd, bwd, deferred, shared, held, input, output};
            }),
            py::arg("kept_bytes"), py::arg("offload_bytes"), py::arg("forward_seconds"),
            py::arg("backward_seconds"), py::arg("deferred_bytes") = 0,
-           py::arg("shared_bytes") = 0, py::arg("held_bytes") = 0)
+           py::arg("shared_bytes") = 0, py::arg("held_bytes") = 0, py::arg("input_bytes") = 0,
+           py::arg("output_bytes") = 0)
       .def_readwrite("kept_bytes", &OptionCost::kept_bytes)
       .def_readwrite("offload_bytes", &OptionCost::offload_bytes)
       .def_readwrite("deferred_bytes", &OptionCost::deferred_bytes)
       .def_readwrite("shared_bytes", &OptionCost::shared_bytes)
       .def_readwrite("held_bytes", &OptionCost::held_bytes)
+      .def_readwrite("input_bytes", &OptionCost::input_bytes)
+      .def_readwrite("output_bytes", &OptionCost::output_bytes)
       .def_readwrite("forward_seconds", &OptionCost::forward_seconds)
       .def_readwrite("backward_seconds", &OptionCost::backward_seconds);
 

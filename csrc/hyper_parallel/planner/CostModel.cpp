@@ -26,7 +26,8 @@ void StepProfile::validate() const {
     for (size_t o = 0; o < options.size(); ++o) {
       const OptionCost& c = layers[k][o];
       HP_CHECK_VALUE(c.kept_bytes >= 0 && c.offload_bytes >= 0 && c.deferred_bytes >= 0 &&
-                     c.shared_bytes >= 0 && c.held_bytes >= 0, "layer ", k, " option '",
+                     c.shared_bytes >= 0 && c.held_bytes >= 0 && c.input_bytes >= 0 &&
+                     c.output_bytes >= 0, "layer ", k, " option '",
                      options[o], "' has negative bytes");
       HP_CHECK_VALUE(good_seconds(c.forward_seconds) && good_seconds(c.backward_seconds),
                      "layer ", k, " option '", options[o],
@@ -43,7 +44,8 @@ void StepProfile::validate() const {
     long double most = 0;
     for (const OptionCost& c : layer) {
       most = std::max(most, static_cast<long double>(c.kept_bytes) + c.offload_bytes +
-                                c.deferred_bytes + c.shared_bytes + c.held_bytes);
+                                c.deferred_bytes + c.shared_bytes + c.held_bytes +
+                                c.input_bytes + c.output_bytes);
     }
     total += most;
   }
@@ -61,6 +63,12 @@ void StepProfile::validate() const {
     HP_CHECK_VALUE(good_seconds(link->latency_seconds) && good_seconds(link->seconds_per_byte),
                    "copy link latency and seconds_per_byte must be finite and >= 0");
   }
+}
+
+int64_t boundary_charge(const StepProfile& p, size_t layer, int option, int previous) {
+  const int64_t in = p.layers[layer][static_cast<size_t>(option)].input_bytes;
+  if (in == 0 || layer == 0 || previous < 0) return in;
+  return std::max<int64_t>(0, in - p.layers[layer - 1][static_cast<size_t>(previous)].output_bytes);
 }
 
 OptionCost StepProfile::effective(size_t layer, size_t option) const {
@@ -90,6 +98,9 @@ Prediction evaluate(const StepProfile& p, const std::vector<int>& assignment) {
     const uint64_t bit = uint64_t{1} << assignment[k];
     if (k > 0 && (seen & bit) == 0) c[k].kept_bytes += c[k].shared_bytes;
     seen |= bit;
+    // The boundary charge (CostModel.h): the part of its input's storage it saves that the
+    // previous layer's option does not.
+    c[k].kept_bytes += boundary_charge(p, k, assignment[k], k > 0 ? assignment[k - 1] : -1);
   }
   Prediction out;
   auto consider = [&](int64_t bytes, int layer, bool backward) {

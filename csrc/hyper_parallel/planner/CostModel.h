@@ -32,6 +32,11 @@
 //    In an assignment, the first layer k >= 1 of an option that no layer before it runs
 //    keeps its shared_bytes too (until its backward), since layer 0's option may not
 //    save them. An upper bound: options that save the same shared tensors pay them again.
+//  * boundary charge: layer k keeps max(0, input_bytes(k) - output_bytes(k-1)) beyond its
+//    kept_bytes (OptionCost; k = 0: its input_bytes), the part of the storage between
+//    Lk-1 and Lk that Lk saves and Lk-1's option does not. Uniform profiles charge that
+//    storage to whichever layer saved it first; a mixed pair can save it on one side only
+//    (checkpoint then none: the none layer's Linear saves the checkpoint layer's output).
 //  * release points: in a plan where any layer swaps, every layer is on the prefetch chain
 //    and the end of every layer's forward is a release point, whatever its strategy
 //    (apply_activation_memory chains them all: each gets a swap group).
@@ -92,6 +97,16 @@ struct OptionCost {
                                // until the step ends (docs/design.md, "Held by the caller");
                                // evaluate() counts at most the layer's bytes that were not
                                // sent (a figure above them is read as all of them)
+  // The storage one layer hands the next (its output, the next layer's input: a ReLU or
+  // tanh at the end of a block saves it, and so does the next block's first Linear) is one
+  // storage, counted once whichever of the two saves it (docs/design.md, "Boundary
+  // storages"). output_bytes: the bytes of its output's storage this option saves (they are
+  // in kept_bytes); input_bytes: those of its input's storage it saves, NOT in kept_bytes:
+  // the model charges max(0, input_bytes - the previous layer's option's output_bytes) to
+  // this layer (all of them at layer 0), kept until its backward. Both 0 for options that
+  // swap (their attribution is the profile's, unchanged).
+  int64_t input_bytes = 0;
+  int64_t output_bytes = 0;
   int64_t saved_bytes() const { return kept_bytes + offload_bytes + deferred_bytes; }
   int64_t group_bytes() const { return offload_bytes + deferred_bytes; }
 };
@@ -145,6 +160,10 @@ struct Prediction {
   int peak_layer = -1;          // layer of the peak sample point (-1: the tail)
   bool peak_in_backward = false;
 };
+
+// The boundary charge of `option` at `layer` after option `previous` of the layer before
+// (-1: none, at layer 0): max(0, input_bytes - previous's output_bytes), bytes.
+int64_t boundary_charge(const StepProfile& profile, size_t layer, int option, int previous);
 
 // Predicts one assignment (an option index per layer) by simulating the schedule above
 // event by event. Throws c10::ValueError for an assignment of the wrong length, an option

@@ -43,6 +43,10 @@ struct Label {
   // CostModel.h): bit o set when some layer so far ran option o and a later layer's o has
   // shared bytes. Labels are compared only within one such set.
   uint64_t used = 0;
+  // The bytes of its output's storage the layer just decided saves, as far as a next
+  // layer's option would save them too (boundary charge, CostModel.h): the next layer is
+  // charged its input_bytes less these. A label with more credit pays no more later.
+  int64_t credit = 0;
 };
 
 struct Back {
@@ -177,7 +181,8 @@ void sort_labels(std::vector<Label>& labels, bool by_code) {
 // non-decreasing in those bytes).
 // `used` sets (Label::used): a label whose set holds another's can dominate it (its later
 // layers pay no charge the other's do not, so they keep no more bytes); one whose set does
-// not cannot.
+// not cannot. Likewise a label of less credit (Label::credit) cannot dominate one of more:
+// groups are (used set, credit) pairs, ordered by both.
 void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
            const std::vector<int64_t>* code_bytes, int64_t& visited) {
   const bool by_code = code_bytes == nullptr;
@@ -208,9 +213,16 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     out.erase(std::unique(out.begin(), out.end()), out.end());
     return out;
   };
-  const std::vector<uint64_t> sets = distinct([](const Label& l) { return l.used; });
-  auto set_of = [&](uint64_t used) {
-    return static_cast<size_t>(std::lower_bound(sets.begin(), sets.end(), used) - sets.begin());
+  using SetKey = std::pair<uint64_t, int64_t>;  // (used set, credit)
+  const std::vector<SetKey> sets =
+      distinct([](const Label& l) { return SetKey{l.used, l.credit}; });
+  auto set_of = [&](const Label& l) {
+    return static_cast<size_t>(std::lower_bound(sets.begin(), sets.end(), SetKey{l.used, l.credit}) -
+                               sets.begin());
+  };
+  // Whether key a "holds" key b: a label of a can dominate one of b.
+  auto holds_key = [](const SetKey& a, const SetKey& b) {
+    return (a.first & b.first) == b.first && a.second >= b.second;
   };
   const size_t groups = sets.size() * classes;
   std::vector<std::vector<Front>> fronts(groups);
@@ -219,8 +231,8 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
     for (size_t c = 0; c < classes; ++c) {
       const size_t g = u * classes + c;
       for (size_t v = 0; v < sets.size(); ++v) {
-        const bool holds = (sets[v] & sets[u]) == sets[u];  // sets[v] holds sets[u]
-        const bool held = (sets[u] & sets[v]) == sets[v];   // sets[u] holds sets[v]
+        const bool holds = holds_key(sets[v], sets[u]);  // sets[v] holds sets[u]
+        const bool held = holds_key(sets[u], sets[v]);   // sets[u] holds sets[v]
         for (size_t d = 0; d < classes; ++d) {
           if (holds && (by_code || (*code_bytes)[d] <= (*code_bytes)[c])) {
             below[g].push_back(v * classes + d);
@@ -284,7 +296,7 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
   int same_kept = 0;
   for (size_t i = 0; i < labels.size(); ++i) {
     const Label l = labels[i];
-    const size_t grp = set_of(l.used) * classes + (by_code ? 0 : static_cast<size_t>(l.code));
+    const size_t grp = set_of(l) * classes + (by_code ? 0 : static_cast<size_t>(l.code));
     if (i == 0 || l.phase != labels[i - 1].phase || (by_code && l.code != labels[i - 1].code)) {
       reset();
       same_kept = 0;
@@ -419,7 +431,7 @@ bool prune_capped(std::vector<Label>& labels, double linear, int64_t bucket, int
   };
   auto dominates = [&](const Label& a, const Label& b) {
     if (a.kept > b.kept || a.host > b.host || off_of(a) > off_of(b) || a.pending > b.pending ||
-        a.slack < b.slack || a.used != b.used) {
+        a.slack < b.slack || a.used != b.used || a.credit < b.credit) {
       return false;
     }
     if (code_bytes == nullptr && a.code != b.code) return false;
@@ -525,7 +537,8 @@ bool Planner::uneven_held(const std::vector<uint64_t>& m) const {
       const OptionCost c = profile_.effective(k, o);
       const int64_t h = held_of(c);
       if (seen >= 0 && h != seen) return true;
-      if (c.shared_bytes > 0 && c.held_bytes > c.kept_bytes) return true;  // with its charge
+      // with its shared or boundary charge
+      if ((c.shared_bytes > 0 || c.input_bytes > 0) && c.held_bytes > c.kept_bytes) return true;
       seen = h;
     }
   }
@@ -1188,7 +1201,7 @@ PlanResult Planner::least_peak_plan(const std::vector<uint64_t>& m, int64_t host
     int64_t most = 0;
     for (size_t o = 0; o < p.num_options(); ++o) {
       const OptionCost c = p.effective(k, o);
-      most = std::max(most, c.saved_bytes() + c.shared_bytes);
+      most = std::max(most, c.saved_bytes() + c.shared_bytes + c.input_bytes);
     }
     hi += round_up(2 * most, quantum_) + quantum_;
   }
@@ -1374,7 +1387,8 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
           const OptionCost c = p.effective(k + 1, o);
           least = least < 0 ? held_of(c) : std::min(least, held_of(c));
           // (charged, it may hold some of its shared bytes too)
-          most = std::max(most, std::min(c.held_bytes, c.kept_bytes + c.shared_bytes));
+          most = std::max(most, std::min(c.held_bytes,
+                                         c.kept_bytes + c.shared_bytes + c.input_bytes));
         }
       }
       least_later[k] = least_later[k + 1] + std::max<int64_t>(0, least);
@@ -1382,6 +1396,15 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
     }
   }
 
+  // most_input[k]: the most input_bytes of layer k's allowed options (a label's credit
+  // beyond those of the layer after it buys nothing: it is capped there, so labels that
+  // differ only beyond it compare).
+  std::vector<int64_t> most_input(n + 1, 0);
+  for (size_t k = 0; k < n; ++k) {
+    for (size_t o = 0; o < s; ++o) {
+      if (allowed[k] >> o & 1) most_input[k] = std::max(most_input[k], p.layers[k][o].input_bytes);
+    }
+  }
   // charged_later[k]: the options that some layer after k charges shared bytes for (the
   // only ones a label's `used` set keeps).
   std::vector<uint64_t> charged_later(n, 0);
@@ -1544,8 +1567,12 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
         const int64_t held = p.base_bytes + base.kept;
         // The sample points of CostModel.h that involve layer k. The shared charge: the
         // first layer (>= 1) of an option no earlier layer ran keeps its shared bytes.
+        // The boundary charge: what it saves of its input's storage that the layer before
+        // did not (base.credit: what that one saved of it, CostModel.h).
+        const int64_t in = p.layers[k][o].input_bytes;
         const int64_t kept =
-            c.kept_bytes + (k > 0 && !(base.used >> o & 1) ? p.layers[k][o].shared_bytes : 0);
+            c.kept_bytes + (k > 0 && !(base.used >> o & 1) ? p.layers[k][o].shared_bytes : 0) +
+            (in > 0 ? std::max<int64_t>(0, in - base.credit) : 0);
         if (held + pending + kept + off > budget) continue;              // end of its forward
         int64_t slack = kNoSlack;
         if (track_held) {  // start of its backward
@@ -1567,7 +1594,8 @@ PlanResult Planner::search(int64_t budget, int64_t host_budget,
                 0.0, 0.0,
                 depth > 0 ? class_of_[k][o] + radix_ * (base.code % keep_mod) : 0,
                 static_cast<int32_t>(li), static_cast<int16_t>(o), kNoOffload,
-                c.deferred_bytes, slack, (base.used | uint64_t{1} << o) & charged_later[k]};
+                c.deferred_bytes, slack, (base.used | uint64_t{1} << o) & charged_later[k],
+                std::min(c.output_bytes, most_input[k + 1])};
         if (memory_only) {
           next.push_back(l);
           continue;

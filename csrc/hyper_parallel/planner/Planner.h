@@ -126,6 +126,13 @@
 // lowered budget and charging every run's first layer: 150-220 ms, not proven optimal,
 // 0.04 %; and a plan running an option in two separate runs was refused, tester).
 //
+// Boundary charge (CostModel.h): exact. Each label carries `credit`, the bytes of its
+// output's storage the layer just decided saves (capped at the most input_bytes of the
+// next layer's options); the next layer's option keeps max(0, input_bytes - credit) more,
+// and a label dominates another only when its credit is no less (prune()'s groups are
+// (used set, credit) pairs). The relaxations and bounds read kept_bytes without the
+// charge, which only lowers them. Brute force: PlannerTest.WithBoundaryBytesTheSearchIsExact.
+//
 // The fallback and its bound: when the copies saturate the link (say 2x a forward over
 // 100 layers) the exact fronts reach 10^5-10^6 labels per layer, the (time, backlog)
 // trade-off being real at every kept value. solve() gives the exact search up once a
