@@ -9,6 +9,7 @@
 #include "hyper_parallel/common/Macros.h"
 
 #include <torch/csrc/autograd/python_variable.h>
+#include <pybind11/stl.h>
 
 #include <atomic>
 #include <vector>
@@ -746,6 +747,10 @@ void bind_swap(py::module_& m) {
       .def("begin_epoch", &SavedBytesMeter::begin_epoch, py::arg("epoch"))
       .def("resaved_bytes", &SavedBytesMeter::resaved_bytes, py::arg("epoch"))
       .def("live_bytes", &SavedBytesMeter::live_bytes, py::arg("epoch"))
+      .def("saved_in", &SavedBytesMeter::saved_in, py::arg("tensor"), py::arg("epoch"),
+           "Whether the tensor's storage, alive, was saved in `epoch` (first or again).")
+      .def("first_epoch", &SavedBytesMeter::first_epoch, py::arg("tensor"),
+           "The epoch that first saved the tensor's storage, or None (not saved, or dead).")
       .def("activate", [](const std::shared_ptr<SavedBytesMeter>& meter) {
         HP_CHECK(SavedBytesMeter::active() == nullptr,
                  "another saved_activation_memory() meter is already active; nesting meters is "

@@ -158,6 +158,22 @@ int64_t SavedBytesMeter::resaved_bytes(int epoch) const {
   return it == resaved_.end() ? 0 : it->second;
 }
 
+std::optional<int> SavedBytesMeter::first_epoch(const at::Tensor& t) const {
+  if (!has_plain_storage(t)) return std::nullopt;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = seen_.find(t.storage().unsafeGetStorageImpl());
+  if (it == seen_.end() || it->second.storage.expired()) return std::nullopt;
+  return it->second.first_epoch;
+}
+
+bool SavedBytesMeter::saved_in(const at::Tensor& t, int epoch) const {
+  if (!has_plain_storage(t)) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = seen_.find(t.storage().unsafeGetStorageImpl());
+  if (it == seen_.end() || it->second.storage.expired()) return false;
+  return it->second.first_epoch == epoch || it->second.last_resaved == epoch;
+}
+
 int64_t SavedBytesMeter::live_bytes(int epoch) const {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t total = 0;

@@ -45,6 +45,7 @@
 #include <atomic>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -67,6 +68,12 @@ class SavedBytesMeter {
   // offloaded in place counts 0). The profile reads it when the backward ends: what the
   // caller still holds of each layer's saves.
   int64_t live_bytes(int epoch) const;
+  // The planner's boundary storages (docs/design.md, "Boundary storages"): whether t's
+  // storage, observed and alive, was observed in `epoch` >= 1 (first, or again: the last
+  // epoch that saved it again), and the epoch that first observed it (nullopt: never
+  // observed, or dead).
+  bool saved_in(const at::Tensor& t, int epoch) const;
+  std::optional<int> first_epoch(const at::Tensor& t) const;
 
   // The meter PackHooks report to (at most one active at a time), or null.
   static SavedBytesMeter* active();

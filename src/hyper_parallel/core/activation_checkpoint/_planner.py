@@ -332,7 +332,8 @@ def _cpp_profile(profile: ActivationProfile, prefetch_depth: int = 1, offload_wi
     p.layers = [[_C.PlannerOptionCost(c.kept_bytes, c.offload_bytes, c.forward_seconds,
                                       c.backward_seconds + _recompute_tie(profile, s, k),
                                       deferred_bytes=c.deferred_bytes,
-                                      shared_bytes=c.shared_bytes, held_bytes=c.held_bytes)
+                                      shared_bytes=c.shared_bytes, held_bytes=c.held_bytes,
+                                      input_bytes=c.input_bytes, output_bytes=c.output_bytes)
                  for s, c in ((s, profile.costs[s][k]) for s in profile.strategies)]
                 for k in range(len(profile.layer_names))]
     p.base_bytes = int(profile.base_bytes)

@@ -37,6 +37,19 @@ cost model of ``csrc/hyper_parallel/planner/CostModel.h`` needs:
   they were read it freed them at the layer's backward and predicted swapping plans low
   (a 4-layer stack whose caller held the last input: ``checkpoint_swap`` 2048 B
   predicted, 4096 B measured);
+* ``input_bytes`` / ``output_bytes``: the storage a layer hands the next (its output, the
+  next layer's input) is one storage, counted once whichever of the two saves it (a tanh
+  or ReLU at the end of a block saves it, and so does the next block's first Linear; a
+  checkpointed block saves only its input). ``output_bytes``: the bytes of the layer's
+  output storage it saves (part of ``kept_bytes``); ``input_bytes``: those of its input's
+  storage it saves, *not* part of ``kept_bytes``: the cost model charges the layer
+  ``input_bytes`` less what the previous layer's strategy saves of it (its
+  ``output_bytes``). Read from the meter's epoch tags at the end of each layer's forward
+  (``SavedBytesMeter::first_epoch`` / ``saved_in``); 0 for the swapping strategies, whose
+  figures stay as measured (docs/design.md, "Boundary storages"). Uniform profiles had
+  charged that storage to whichever layer saved it first, so "none" after "checkpoint"
+  was predicted without it (a fuzzer's tanh stack: every plan measured 39 488 B, mixed
+  ones predicted down to 21 056 B);
 * ``forward_seconds`` / ``backward_seconds``: wall time between hooks (the backward from
   the gradient of the layer's output to that of its input), minus the time the engine
   reports it stalled on reloads there; on an accelerator each hook synchronizes. On the
@@ -98,6 +111,8 @@ class LayerCost:
     deferred_bytes: int = 0
     shared_bytes: int = 0
     held_bytes: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
 
     @property
     def saved_bytes(self) -> int:
@@ -424,6 +439,10 @@ class _StepProbe:
         # caller holds them), and the same of the head's saves; None: not read
         self.held_at_end = None
         self.tail_held_at_end = 0
+        # per layer, bytes of its input's storage that it saved, and (of layer k - 1)
+        # those of its output's storage it saved (the boundary storages)
+        self.input_saved = [0] * len(modules)
+        self.output_saved = [0] * len(modules)
         self._handles = []
         for k, m in enumerate(modules):
             self._handles.append(m.register_forward_pre_hook(self._pre(k), with_kwargs=True))
@@ -469,6 +488,8 @@ class _StepProbe:
             stats = self._stats()
             self.off_after[k] = stats["offload_bytes"]
             self.mem_after[k] = self.meter.sample() if self.meter is not None else 0
+            if self.meter is not None and k > 0:
+                self._read_boundary(k, _first_tensor(args, kwargs))
             if self.meter is not None and k == self.n - 1:
                 self.meter._meter.begin_epoch(-1)  # the head and the backward: not layers
                 self.peak_at_forward_end = self.meter.peak_bytes
@@ -481,6 +502,21 @@ class _StepProbe:
                     self._went_live(k)
             return None
         return hook
+
+    def _read_boundary(self, k, x):
+        """Layer k's input storage, at the end of its forward: whether layer k - 1 saved it
+        first (epoch k: its output) and whether layer k saved it (epoch k + 1)."""
+        if x is None or x.is_meta:
+            return
+        meter = self.meter._meter
+        first = meter.first_epoch(x)
+        if first is None:
+            return  # nobody saved it (or it is gone)
+        nbytes = int(x.untyped_storage().nbytes())
+        if first == k:
+            self.output_saved[k - 1] = nbytes
+        if first in (k, k + 1) and meter.saved_in(x, k + 1):
+            self.input_saved[k] = nbytes
 
     def _went_live(self, k):
         self.live[k] += 1
@@ -592,7 +628,10 @@ def _run_step(step_fn: Callable[[], object], model: nn.Module, names: list[str],
             backward_seconds=max(0.0, b_end - b_start - stall),
             shared_bytes=shared[k],
             # at most what stays on the device: _settle_kept clips it to kept_bytes
-            held_bytes=probe.held_at_end[k] if probe.held_at_end is not None else 0))
+            held_bytes=probe.held_at_end[k] if probe.held_at_end is not None else 0,
+            # as measured here (its storage counted once, by its first saver);
+            # _charge_boundaries takes input_bytes out of kept_bytes
+            input_bytes=probe.input_saved[k], output_bytes=probe.output_saved[k]))
     last_bwd = probe.bwd_start[n - 1]
     tail_seconds = max(0.0, (last_bwd if last_bwd is not None else end) - probe.fwd_end[n - 1])
     busy = sum(c.forward_seconds + c.backward_seconds for c in costs)
@@ -1082,6 +1121,28 @@ def _settle_kept(costs: list[LayerCost]) -> None:
         c.held_bytes = max(0, min(c.held_bytes, stays))
 
 
+def _charge_boundaries(costs: list[LayerCost], swaps: bool) -> None:
+    """Makes each layer's figures independent of the strategy of the layer before it, for
+    the storage between them (``input_bytes`` / ``output_bytes``, CostModel.h's boundary
+    charge): in this uniform step the meter counted it once, in the kept bytes of the first
+    layer that saved it, and as a later layer's shared bytes. ``kept_bytes`` then leaves
+    out what the layer saves of its input storage where the layer before had not (the cost
+    model charges it back against the previous strategy's ``output_bytes``), and
+    ``shared_bytes`` what it saved again of it (the boundary charge answers for that
+    storage, not the shared one). A swapping strategy's figures stay as measured (its
+    release points move that storage between the two layers' groups): both 0."""
+    if swaps:
+        for c in costs:
+            c.input_bytes = c.output_bytes = 0
+        return
+    costs[0].input_bytes = 0  # the model's input: no layer before it
+    for k in range(1, len(costs)):
+        c, before = costs[k], costs[k - 1].output_bytes
+        c.kept_bytes = max(0, c.kept_bytes - max(0, c.input_bytes - before))
+        c.shared_bytes = max(0, c.shared_bytes - min(c.input_bytes, before))
+    costs[-1].output_bytes = 0
+
+
 def _trace_free() -> bool:
     """True when no activation_trace is recording (the profile may record its own)."""
     try:
@@ -1208,7 +1269,8 @@ def _typical(runs: list[dict]) -> dict:
     out["costs"] = [LayerCost(c.kept_bytes, c.offload_bytes,
                               statistics.median(r["costs"][k].forward_seconds for r in runs),
                               statistics.median(r["costs"][k].backward_seconds for r in runs),
-                              c.deferred_bytes, c.shared_bytes, c.held_bytes)
+                              c.deferred_bytes, c.shared_bytes, c.held_bytes,
+                              c.input_bytes, c.output_bytes)
                     for k, c in enumerate(runs[-1]["costs"])]
     for key in ("step_seconds", "tail_seconds", "outside_seconds"):
         out[key] = statistics.median(r[key] for r in runs)
@@ -1333,6 +1395,7 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
                     if items is not None:
                         attribute_offloads(run["costs"], items)
                     _settle_kept(run["costs"])
+                    _charge_boundaries(run["costs"], STRATEGIES[name].swaps)
                     steps[name].append(run)
                     state.check_parameters()
                     # The same step again with no meter and no probe: what the
@@ -1535,7 +1598,8 @@ def _worst_over_ranks(profile: ActivationProfile, device: torch.device) -> Activ
     for name in profile.strategies:
         for c in profile.costs[name]:
             values += [c.kept_bytes, c.offload_bytes, c.deferred_bytes, c.shared_bytes,
-                       c.held_bytes, c.forward_seconds, c.backward_seconds]
+                       c.held_bytes, c.input_bytes, c.output_bytes, c.forward_seconds,
+                       c.backward_seconds]
         values += [profile.measured[name]["peak_bytes"], profile.measured[name]["step_seconds"]]
     values += profile.output_bytes
     on = device if dist.get_backend() != "gloo" else torch.device("cpu")
@@ -1549,8 +1613,8 @@ def _worst_over_ranks(profile: ActivationProfile, device: torch.device) -> Activ
     profile.h2d = CopyLink(next(v), next(v))
     for name in profile.strategies:
         for c in profile.costs[name]:
-            c.kept_bytes, c.offload_bytes, c.deferred_bytes, c.shared_bytes, c.held_bytes = (
-                int(next(v)), int(next(v)), int(next(v)), int(next(v)), int(next(v)))
+            (c.kept_bytes, c.offload_bytes, c.deferred_bytes, c.shared_bytes, c.held_bytes,
+             c.input_bytes, c.output_bytes) = (int(next(v)) for _ in range(7))
             c.forward_seconds, c.backward_seconds = next(v), next(v)
         profile.measured[name] = {"peak_bytes": int(next(v)), "step_seconds": next(v)}
     profile.output_bytes = [int(next(v)) for _ in profile.output_bytes]
