@@ -142,8 +142,7 @@ struct SavedPassThrough {
     if (SavedBytesMeter::active() == nullptr || !tensor || !THPVariable_Check(tensor.ptr())) {
       return;  // (per saved tensor: no meter, no work)
     }
-    const at::Tensor& t = THPVariable_Unpack(tensor.ptr());
-    if (has_plain_storage(t)) SavedBytesMeter::note_release(t.storage().unsafeGetStorageImpl());
+    SavedBytesMeter::note_release(THPVariable_Unpack(tensor.ptr()));
   }
   SavedPassThrough(const SavedPassThrough&) = delete;
   SavedPassThrough& operator=(const SavedPassThrough&) = delete;

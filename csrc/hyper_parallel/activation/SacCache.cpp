@@ -44,11 +44,7 @@ uint64_t mix_value(uint64_t h, const c10::IValue& v) {
 }  // namespace
 
 SacCache::Slot::~Slot() {
-  if (SavedBytesMeter::active() == nullptr || !value.isTensor()) return;
-  const at::Tensor& t = value.toTensor();
-  if (t.defined() && has_plain_storage(t)) {
-    SavedBytesMeter::note_release(t.storage().unsafeGetStorageImpl());
-  }
+  if (value.isTensor()) SavedBytesMeter::note_release(value.toTensor());
 }
 
 uint64_t SacCache::input_signature(c10::ArrayRef<c10::IValue> args) {

@@ -28,6 +28,11 @@ void SavedBytesMeter::note_release(const c10::StorageImpl* storage) noexcept {
   }
 }
 
+void SavedBytesMeter::note_release(const at::Tensor& t) noexcept {
+  if (active() == nullptr || !t.defined() || !has_plain_storage(t)) return;
+  note_release(t.storage().unsafeGetStorageImpl());
+}
+
 void SavedBytesMeter::settle_locked() {
   if (recount_all_ || suspects_.size() > seen_.size()) {
     recount_locked();  // (as cheap, and it checks every storage)

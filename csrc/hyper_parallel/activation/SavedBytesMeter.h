@@ -82,6 +82,10 @@ class SavedBytesMeter {
   // destroyed: the active meter checks at its next observe() whether the storage died.
   // noexcept (called from destructors, on any thread; takes the meter's lock, a leaf lock).
   static void note_release(const c10::StorageImpl* storage) noexcept;
+  // The same for the storage of `t` (an undefined tensor, or one without plain storage, is
+  // ignored); returns at once when no meter is active. The one call of every saved
+  // object's destructor.
+  static void note_release(const at::Tensor& t) noexcept;
 
  private:
   // Sums the live observed storages, erases the dead ones, updates the peak. Needs mu_.

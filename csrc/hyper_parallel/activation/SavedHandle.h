@@ -30,10 +30,7 @@ class SavedHandle {
   }
   ~SavedHandle() {
     record_->alias_refs.fetch_sub(1);
-    // its storage may die now (SavedBytesMeter.h)
-    if (SavedBytesMeter::active() != nullptr && alias_.defined() && alias_.has_storage()) {
-      SavedBytesMeter::note_release(alias_.storage().unsafeGetStorageImpl());
-    }
+    SavedBytesMeter::note_release(alias_);  // its storage may die now (SavedBytesMeter.h)
   }
   SavedHandle(const SavedHandle&) = delete;
   SavedHandle& operator=(const SavedHandle&) = delete;
