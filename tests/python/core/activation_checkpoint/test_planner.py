@@ -101,6 +101,42 @@ def test_plan_meets_budget_when_applied(profiled):
         assert measured <= plan.budget_bytes, (fraction, measured, plan.explain())
 
 
+def test_planning_leaves_the_users_swap_counters_as_they_were():
+    # The user's own swapping step, then a plan made (profiling and the closed loop's
+    # measured steps swap too): stats() reads as after the user's step, and goes on
+    # counting from there. It had been cleared by profiling and then held the planner's
+    # steps (a tester, session 26).
+    model, x = _setup()
+    SwapManager().reset_stats()
+    apply_activation_memory(model, "swap")
+    try:
+        model(x).backward()
+        SwapManager().synchronize()
+    finally:
+        remove_activation_memory(model)
+        for p in model.parameters():
+            p.grad = None
+    mine = SwapManager().stats()
+    assert mine["offload_bytes"] > 0 and mine["peak_resident_bytes"] > 0
+    plan_activation_memory(model, lambda: model(x).backward(), 0.5)
+    after = SwapManager().stats()
+    for key in ("offload_bytes", "offload_count", "reload_bytes", "reload_count",
+                "release_points", "prefetch_points", "transfers", "peak_resident_bytes"):
+        assert after[key] == mine[key], key
+    assert after["skipped"] == mine["skipped"]
+    apply_activation_memory(model, "swap")  # and counting goes on from there
+    try:
+        model(x).backward()
+        SwapManager().synchronize()
+    finally:
+        remove_activation_memory(model)
+        for p in model.parameters():
+            p.grad = None
+    assert SwapManager().stats()["offload_bytes"] == 2 * mine["offload_bytes"]
+    SwapManager().reset_stats()
+    assert SwapManager().stats()["offload_bytes"] == 0
+
+
 def test_swap_only_plan_trains_bitwise_like_none(profiled):
     model, x, prof = profiled
     plan = prof.plan(int(0.8 * prof.none_peak_bytes), candidates=["none", "swap"])
