@@ -841,9 +841,6 @@ void bind_swap(py::module_& m) {
   });
   m.def("synchronize", [] { engine().synchronize(); }, py::call_guard<py::gil_scoped_release>());
   m.def("reset", [](bool schedule) { engine().reset(schedule); }, py::arg("schedule") = true);
-  m.def("restore_peak_resident", [](int64_t bytes) { engine().restore_peak_resident(bytes); },
-        py::arg("bytes"), "Sets stats()['peak_resident_bytes'] back to bytes (at least the "
-        "bytes resident now).");
   m.def("residency", [](const py::object& obj) -> py::object {
     HP_CHECK_VALUE(THPVariable_Check(obj.ptr()), "residency() expects a tensor");
     const at::Tensor t = is_dtensor(obj) ? dtensor_local(obj) : THPVariable_Unpack(obj.ptr());

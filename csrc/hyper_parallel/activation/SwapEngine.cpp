@@ -1179,10 +1179,6 @@ void SwapEngine::reset(bool schedule) {
   }
 }
 
-void SwapEngine::restore_peak_resident(int64_t bytes) {
-  counters_->peak_resident_bytes.store(std::max(bytes, counters_->resident_bytes.load()));
-}
-
 int64_t SwapEngine::scheduled_layer_count() const {
   std::lock_guard<std::mutex> lock(mu_);
   return static_cast<int64_t>(schedule_.layer_count());

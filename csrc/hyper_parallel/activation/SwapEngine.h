@@ -164,9 +164,6 @@ class SwapEngine {
   SwapStats stats();
   // Clears counters; with `schedule`, also forgets layer links and live-invocation links.
   void reset(bool schedule);
-  // Sets the peak of resident bytes back to `bytes` (at least the bytes resident now): the
-  // planner's own steps leave the user's high-water mark as it was.
-  void restore_peak_resident(int64_t bytes);
   // Waits for every queued copy of the thread backend (tests).
   void synchronize();
   // The one-time warning of each pool made to keep on the device what does not fit under

@@ -91,7 +91,7 @@ from ._apply import (STRATEGIES, apply_activation_memory, check_plannable, plan_
 from ._clock import step_clock
 from ._layers import find_layers, resolve_layer_slots
 from ._memory import saved_activation_memory
-from ._swap_manager import SwapManager, stats_set_aside
+from ._swap_manager import SwapManager
 from ._trace import activation_trace
 from ._warnings import warn as warn_user
 from ..._extension import _C
@@ -1582,7 +1582,7 @@ def _left_as_found(model: nn.Module, params: list[nn.Parameter], device: torch.d
         window = _C.offload_window()
         _C.set_offload_window(0)
         try:
-            with state.outside.watching(), _optimizer_steps_refused(), stats_set_aside():
+            with state.outside.watching(), _optimizer_steps_refused():
                 yield state
         finally:
             remove_activation_memory(model)  # first: it restores what its apply replaced

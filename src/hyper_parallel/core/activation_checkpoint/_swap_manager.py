@@ -215,50 +215,6 @@ def _delay_value(value, what: str) -> float:
     return delay
 
 
-#: The counters of stats() that only grow: those of the planner's own steps are set
-#: aside (stats_set_aside), the others (resident bytes, live records, pool gauges) are
-#: states, and the peak is put back.
-_CUMULATIVE_STATS = ("offload_bytes", "offload_count", "reload_bytes", "reload_count",
-                     "host_allocations", "host_reuses", "fused_copies", "transfers",
-                     "stall_seconds", "on_demand_reloads", "deferred_frees", "release_points",
-                     "prefetch_points", "worker_wakeups", "inline_copies")
-# key -> amount to take off stats() (for "skipped": reason -> (count, bytes))
-_set_aside: dict = {}
-
-
-def _raw_stats() -> dict:
-    out = dict(_C.stats())
-    for backend in loaded_backends():
-        for key, value in backend.stats().items():
-            out[key] = out.get(key, 0) + value
-    return out
-
-
-@contextlib.contextmanager
-def stats_set_aside():
-    """The library's own steps inside (the planner's profiling, ``measure_plan``) leave
-    ``SwapManager().stats()`` as it was: their growth of every counter is set aside (taken
-    off what stats() reports until the next reset) and the peak of resident bytes put back
-    (a tester, session 26: after planning, stats() held the profiling steps' counters, and
-    the user's own had been cleared)."""
-    before = _raw_stats()
-    peak = int(_C.stats()["peak_resident_bytes"])
-    try:
-        yield
-    finally:
-        after = _raw_stats()
-        for key in _CUMULATIVE_STATS:
-            if key in before and key in after:
-                _set_aside[key] = _set_aside.get(key, 0) + after[key] - before[key]
-        skipped = _set_aside.setdefault("skipped", {})
-        for reason, entry in after.get("skipped", {}).items():
-            was = before.get("skipped", {}).get(reason, {"count": 0, "bytes": 0})
-            count, nbytes = skipped.get(reason, (0, 0))
-            skipped[reason] = (count + entry["count"] - was["count"],
-                               nbytes + entry["bytes"] - was["bytes"])
-        _C.restore_peak_resident(peak)
-
-
 class SwapManager:
     """Process-wide swap schedule and statistics (a singleton: ``SwapManager()`` always
     returns the same object).
@@ -594,25 +550,21 @@ class SwapManager:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
         """Counters of SPEC 6 (bytes, counts, seconds), summed over the torch engine and
-        every framework backend in use (docs/design.md, "Backends"). The steps the planner
-        runs itself (profiling, ``measure_plan``) are not counted."""
-        out = _raw_stats()
-        for key, value in _set_aside.items():
-            if key == "skipped":
-                for reason, (count, nbytes) in value.items():
-                    entry = out["skipped"].get(reason)
-                    if entry is not None:
-                        entry["count"] -= count
-                        entry["bytes"] -= nbytes
-            elif key in out:
-                out[key] -= value
+        every framework backend in use (docs/design.md, "Backends"). They count every step
+        the engine ran since the last reset, the planner's own (profiling,
+        ``measure_plan``) included: the counters are process-wide, so what one thread ran
+        cannot be told from another's; call :meth:`reset_stats` after planning to count
+        from there."""
+        out = dict(_C.stats())
+        for backend in loaded_backends():
+            for key, value in backend.stats().items():
+                out[key] = out.get(key, 0) + value
         return out
 
     def reset(self) -> None:
         """Clears the counters and all schedule state: layer links included, so register
         the chain again (``set_forward_prefetch_layer``) before the next step. To clear only
         the counters, use :meth:`reset_stats`."""
-        _set_aside.clear()
         _C.reset(True)  # also ends, on every thread, regions an interrupted step left open
         _C.pop_stale_hooks()  # and their saved-tensor hooks on this thread
         for stacks in list(_all_stacks):
@@ -624,7 +576,6 @@ class SwapManager:
 
     def reset_stats(self) -> None:
         """Clears the counters of :meth:`stats` and keeps the schedule."""
-        _set_aside.clear()
         _C.reset(False)
         for backend in loaded_backends():
             backend.reset(schedule=False)

@@ -101,11 +101,11 @@ def test_plan_meets_budget_when_applied(profiled):
         assert measured <= plan.budget_bytes, (fraction, measured, plan.explain())
 
 
-def test_planning_leaves_the_users_swap_counters_as_they_were():
-    # The user's own swapping step, then a plan made (profiling and the closed loop's
-    # measured steps swap too): stats() reads as after the user's step, and goes on
-    # counting from there. It had been cleared by profiling and then held the planner's
-    # steps (a tester, session 26).
+def test_planning_keeps_the_users_swap_counters():
+    # Profiling had called reset_stats(): the user's own counts were lost and stats() then
+    # held only the planner's steps. Now they are kept, and the planner's steps count on
+    # top of them (process-wide counters: another thread's steps during planning count
+    # too; a tester, session 27, had them vanish when the planner's were set aside).
     model, x = _setup()
     SwapManager().reset_stats()
     apply_activation_memory(model, "swap")
@@ -117,22 +117,14 @@ def test_planning_leaves_the_users_swap_counters_as_they_were():
         for p in model.parameters():
             p.grad = None
     mine = SwapManager().stats()
-    assert mine["offload_bytes"] > 0 and mine["peak_resident_bytes"] > 0
+    assert mine["offload_bytes"] > 0
+    profile_activation_memory(model, lambda: model(x).backward(), candidates=["none"],
+                              repeats=1)
+    assert SwapManager().stats()["offload_bytes"] == mine["offload_bytes"]  # none swaps nothing
     plan_activation_memory(model, lambda: model(x).backward(), 0.5)
     after = SwapManager().stats()
-    for key in ("offload_bytes", "offload_count", "reload_bytes", "reload_count",
-                "release_points", "prefetch_points", "transfers", "peak_resident_bytes"):
-        assert after[key] == mine[key], key
-    assert after["skipped"] == mine["skipped"]
-    apply_activation_memory(model, "swap")  # and counting goes on from there
-    try:
-        model(x).backward()
-        SwapManager().synchronize()
-    finally:
-        remove_activation_memory(model)
-        for p in model.parameters():
-            p.grad = None
-    assert SwapManager().stats()["offload_bytes"] == 2 * mine["offload_bytes"]
+    for key in ("offload_bytes", "release_points", "transfers"):
+        assert after[key] > mine[key], key
     SwapManager().reset_stats()
     assert SwapManager().stats()["offload_bytes"] == 0
 
