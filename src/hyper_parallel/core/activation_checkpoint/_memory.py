@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -26,6 +27,7 @@ class SavedActivationMeter:
     def __init__(self) -> None:
         self._meter = _C.SavedBytesMeter()
         self._owner: str | None = None  # the library function metering the user's step
+        self._thread = threading.get_ident()  # the thread that opened it
 
     @property
     def peak_bytes(self) -> int:
@@ -127,6 +129,13 @@ def saved_activation_memory(framework: str = "torch",
     if parameters is not None:
         raise ValueError("hyper_parallel: saved_activation_memory(parameters=...) is for "
                          "MindSpore; torch's meter never counts parameters.")
+    if _active is not None and _active._thread != threading.get_ident():
+        # (a tester, session 27: two threads planning at once were told their step_fn
+        # opened a meter, which neither did)
+        raise RuntimeError(
+            f"hyper_parallel: another thread is measuring saved activations "
+            f"({_active._owner or 'saved_activation_memory()'}); the meter counts the whole "
+            "process, so two cannot run at once. Plan or measure one model at a time.")
     if _active is not None and _active._owner is not None:
         raise RuntimeError(
             f"hyper_parallel: step_fn opens saved_activation_memory() while {_active._owner} "

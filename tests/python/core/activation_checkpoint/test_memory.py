@@ -230,3 +230,31 @@ def test_tensors_a_region_gets_inside_dicts_and_lists_count(strategy):
         return h.sum() + aux
 
     assert peak(_DictBlock, through_dicts) == peak(_PlainBlock, directly) > 0
+
+
+def test_a_meter_open_on_another_thread_is_named_as_such():
+    # A tester, session 27: two threads planning at once were told their step_fn opened a
+    # meter inside the planner's, which neither did.
+    import threading
+
+    opened, done = threading.Event(), threading.Event()
+
+    def planner_thread():
+        with saved_activation_memory() as meter:
+            meter._owner = "the planner (plan_activation_memory / profile_activation_memory)"
+            opened.set()
+            done.wait(10)
+
+    t = threading.Thread(target=planner_thread)
+    t.start()
+    try:
+        assert opened.wait(10)
+        with pytest.raises(RuntimeError, match="another thread is measuring saved activations"):
+            with saved_activation_memory():
+                pass
+    finally:
+        done.set()
+        t.join()
+    with saved_activation_memory() as meter:  # and once it is closed, one opens again
+        pass
+    assert meter.peak_bytes == 0
