@@ -71,6 +71,21 @@ int64_t boundary_charge(const StepProfile& p, size_t layer, int option, int prev
   return std::max<int64_t>(0, in - p.layers[layer - 1][static_cast<size_t>(previous)].output_bytes);
 }
 
+StepProfile with_least_boundary_charges(StepProfile p) {
+  int64_t most_out = 0;  // of the layer before
+  for (auto& layer : p.layers) {
+    int64_t next_most = 0;
+    for (OptionCost& c : layer) {
+      next_most = std::max(next_most, c.output_bytes);
+      const int64_t least = std::max<int64_t>(0, c.input_bytes - most_out);
+      c.kept_bytes += least;
+      c.input_bytes -= least;  // = min(input_bytes, most_out)
+    }
+    most_out = next_most;
+  }
+  return p;
+}
+
 OptionCost StepProfile::effective(size_t layer, size_t option) const {
   OptionCost c = layers[layer][option];
   if (layer + 1 == layers.size()) {

@@ -484,6 +484,8 @@ bool prune_capped(std::vector<Label>& labels, double linear, int64_t bucket, int
 Planner::Planner(StepProfile profile, int64_t byte_quantum, double time_tolerance)
     : profile_(std::move(profile)), quantum_(byte_quantum), tolerance_(time_tolerance) {
   profile_.validate();
+  // The bounds read kept_bytes as the least a layer's option keeps (CostModel.h).
+  profile_ = with_least_boundary_charges(std::move(profile_));
   // The search's costs are those of every release submitting at once; the plans it makes
   // run that way (ActivationPlan.offload_window = 0).
   HP_CHECK_VALUE(profile_.offload_window == 0, "the planner solves for offload window 0 (its "

@@ -130,8 +130,11 @@
 // output's storage the layer just decided saves (capped at the most input_bytes of the
 // next layer's options); the next layer's option keeps max(0, input_bytes - credit) more,
 // and a label dominates another only when its credit is no less (prune()'s groups are
-// (used set, credit) pairs). The relaxations and bounds read kept_bytes without the
-// charge, which only lowers them. Brute force: PlannerTest.WithBoundaryBytesTheSearchIsExact.
+// (used set, credit) pairs). The profile is first rewritten by
+// with_least_boundary_charges() (CostModel.h): the least charge of each option is in its
+// kept_bytes, which the relaxations and bounds read, so a charge no option of the layer
+// before avoids (a decoder's) costs the search nothing. Brute force:
+// PlannerTest.WithBoundaryBytesTheSearchIsExact.
 //
 // The fallback and its bound: when the copies saturate the link (say 2x a forward over
 // 100 layers) the exact fronts reach 10^5-10^6 labels per layer, the (time, backlog)

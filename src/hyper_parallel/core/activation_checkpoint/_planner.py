@@ -319,9 +319,20 @@ _RECOMPUTE_TIE_SECONDS_PER_BYTE = 1e-15
 def _recompute_tie(profile: ActivationProfile, s: str, k: int) -> float:
     if not STRATEGIES[s].recomputes or "none" not in profile.costs:
         return 0.0
-    c = profile.costs[s][k]
-    recomputed = profile.costs["none"][k].kept_bytes - c.kept_bytes - c.offload_bytes
+    c, none = profile.costs[s][k], profile.costs["none"][k]
+    # (with the storage of its input: input_bytes are not in kept_bytes, _profile.py)
+    recomputed = (none.kept_bytes + none.input_bytes) - (c.kept_bytes + c.input_bytes) \
+        - c.offload_bytes
     return _RECOMPUTE_TIE_SECONDS_PER_BYTE * max(0, recomputed)
+
+
+def _kept_in_plan(profile: ActivationProfile, k: int, s: str, prev: str | None) -> int:
+    """What layer k keeps under strategy ``s`` after ``prev`` at layer k - 1 (None: k is
+    the first): its kept bytes and the boundary charge (CostModel.h)."""
+    c = profile.costs[s][k]
+    if prev is None:
+        return c.kept_bytes + c.input_bytes
+    return c.kept_bytes + max(0, c.input_bytes - profile.costs[prev][k - 1].output_bytes)
 
 
 def _cpp_profile(profile: ActivationProfile, prefetch_depth: int = 1, offload_window: int = 0):
@@ -380,14 +391,16 @@ def _plan(profile: ActivationProfile, assignment: list[int], prediction: dict,
     rows = []
     for k, (layer, s) in enumerate(zip(profile.layer_names, names)):
         c, base = profile.costs[s][k], profile.costs["none"][k]
-        kept, off = c.kept_bytes, c.group_bytes
+        prev = names[k - 1] if k > 0 else None
+        kept, off = _kept_in_plan(profile, k, s, prev), c.group_bytes
+        base_kept = _kept_in_plan(profile, k, "none", prev)
         if k == n - 1:
             kept, off = kept + off, 0
-        recomputed = max(0, base.kept_bytes - kept - off) if STRATEGIES[s].recomputes else 0
+        recomputed = max(0, base_kept - kept - off) if STRATEGIES[s].recomputes else 0
         added = (c.forward_seconds + c.backward_seconds) - (base.forward_seconds
                                                              + base.backward_seconds)
         rows.append(PlanRow(layer, s, int(kept), int(off), int(recomputed), float(added),
-                            _why(profile, k, s, kept, off, added, n)))
+                            _why(profile, k, s, kept, off, added, n, base_kept)))
     return ActivationPlan(
         strategies=dict(zip(profile.layer_names, names)),
         budget_bytes=int(budget),
@@ -410,8 +423,8 @@ def _finite(x) -> float | None:
 
 
 def _why(profile: ActivationProfile, k: int, s: str, kept: int, off: int, added: float,
-         n: int) -> str:
-    freed = profile.costs["none"][k].kept_bytes - kept
+         n: int, base_kept: int) -> str:
+    freed = base_kept - kept  # base_kept: what "none" keeps there, after the same layer
     if s == "none":
         return "fits: everything stays on the device"
     if k == n - 1 and STRATEGIES[s].swaps and not STRATEGIES[s].recomputes:

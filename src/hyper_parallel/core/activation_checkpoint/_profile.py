@@ -186,8 +186,12 @@ class ActivationProfile:
     # ------------------------------------------------------------------ derived figures
     @property
     def saved_bytes(self) -> list[int]:
-        """Bytes each layer saves for backward with nothing applied."""
-        return [c.kept_bytes for c in self.costs["none"]]
+        """Bytes each layer saves for backward with nothing applied (each storage counted
+        once, by the first layer that saves it: the boundary charge of "none" after
+        "none" included)."""
+        costs = self.costs["none"]
+        return [c.kept_bytes + max(0, c.input_bytes - (costs[k - 1].output_bytes if k else 0))
+                for k, c in enumerate(costs)]
 
     @property
     def matmul_bytes(self) -> list[int] | None:
@@ -1462,7 +1466,7 @@ def profile_activation_memory(model: nn.Module, step_fn: Callable[[], object], *
             for name in names}
         _floor_by_twin(runs)
         if any(STRATEGIES[n].swaps for n in names):
-            typical = max(c.kept_bytes for c in runs["none"]["costs"])
+            typical = max(c.kept_bytes + c.input_bytes for c in runs["none"]["costs"])
             link_d2h, link_h2d = measure_copy_links(device, max(1 << 16, typical),
                                                     samples=samples)
     none = runs["none"]

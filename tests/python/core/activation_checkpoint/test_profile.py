@@ -1044,6 +1044,8 @@ def test_the_storage_between_two_layers_counts_once_in_every_mixed_plan():
     boundary = 32 * 64 * 4
     assert [c.output_bytes for c in profile.costs["none"]] == [boundary] * 4 + [0]
     assert [c.input_bytes for c in profile.costs["checkpoint"]] == [0] + [boundary] * 4
+    # "none" saves each storage once: the input x and the tanh outputs
+    assert profile.saved_bytes == [2 * boundary] + [boundary] * 4
     mixed = [plan for plan in itertools.product(strategies, repeat=5) if len(set(plan)) > 1]
     for plan in random.Random(0).sample(mixed, 30):  # (of 240; the uniform ones below)
         predicted = predict(profile, list(plan), offload_window=0)["peak_bytes"]
