@@ -125,6 +125,18 @@ int64_t brute_force_min_peak(const StepProfile& p, int64_t host = -1) {
   return best;
 }
 
+// solve(budget) is feasible exactly when brute force finds a plan, proven optimal, and as
+// fast as brute force's optimum.
+void expect_brute_force_optimum(const Planner& planner, const StepProfile& p, int64_t budget) {
+  const PlanResult r = planner.solve(budget);
+  const Best want = brute_force(p, budget);
+  SCOPED_TRACE("budget " + std::to_string(budget));
+  ASSERT_EQ(r.feasible, want.found);
+  if (!r.feasible) return;
+  EXPECT_TRUE(r.stats.exact);
+  EXPECT_NEAR(objective_of(r), want.time, 1e-12 * want.time);
+}
+
 // Calls check(planner, budget) for prefetch depths 1 and 0, each seed and copy ratio of
 // make(seed, ratio) and each budget, a fraction of "none"'s peak above the base bytes.
 template <typename Make, typename Check>
@@ -913,15 +925,7 @@ TEST(PlannerTest, WithSharedBytesTheSearchIsExact) {
                 {OptionCost{20, 0, 1.0, 1.0}, OptionCost{0, 0, 1.0, 1.0, 0, 20}}};
     p.d2h = p.h2d = CopyLink{0.0, 0.01};
     const Planner planner(p);
-    for (int64_t budget = 0; budget <= 40; ++budget) {
-      const PlanResult r = planner.solve(budget);
-      const Best want = brute_force(p, budget);
-      SCOPED_TRACE("budget " + std::to_string(budget));
-      ASSERT_EQ(r.feasible, want.found);
-      if (!r.feasible) continue;
-      EXPECT_TRUE(r.stats.exact);
-      EXPECT_NEAR(objective_of(r), want.time, 1e-12 * want.time);
-    }
+    for (int64_t budget = 0; budget <= 40; ++budget) expect_brute_force_optimum(planner, p, budget);
   }
   EXPECT_EQ(fuzz_against_brute_force(9, 5000, [](StepProfile& p, std::mt19937& rng) {
               for (auto& layer : p.layers) {
@@ -971,15 +975,9 @@ TEST(PlannerTest, BoundaryStorageCountsOnceWhicheverLayerSavesIt) {
     EXPECT_FALSE(planner.solve(peak(want) - 1, allowed).feasible) << a;
   }
   for (int64_t budget = 100; budget <= 420; budget += 20) {
-    const PlanResult r = planner.solve(budget);
-    const Best want = brute_force(p, budget);
-    SCOPED_TRACE("budget " + std::to_string(budget));
-    ASSERT_EQ(r.feasible, want.found);
-    if (!r.feasible) continue;
-    EXPECT_TRUE(r.stats.exact);
-    EXPECT_NEAR(objective_of(r), want.time, 1e-12 * want.time);
-    EXPECT_EQ(planner.min_peak().prediction.peak_bytes, brute_force_min_peak(p));
+    expect_brute_force_optimum(planner, p, budget);
   }
+  EXPECT_EQ(planner.min_peak().prediction.peak_bytes, brute_force_min_peak(p));
 }
 
 // Boundary charges on random small profiles (with deferred, shared and held bytes): the

@@ -61,16 +61,16 @@ def _with_bound_kwargs(function, args: tuple, kwargs: dict):
     return call, (*args, *kwargs.values())
 
 
-def _nested_tensors(obj):
+def nested_tensors(obj):
     """The tensors inside tuples, lists and dicts in ``obj`` (any depth)."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (tuple, list)):
         for v in obj:
-            yield from _nested_tensors(v)
+            yield from nested_tensors(v)
     elif isinstance(obj, collections.abc.Mapping):
         for v in obj.values():
-            yield from _nested_tensors(v)
+            yield from nested_tensors(v)
 
 
 def _meter_nested_inputs(call_args: tuple) -> None:
@@ -86,7 +86,7 @@ def _meter_nested_inputs(call_args: tuple) -> None:
         return
     for arg in call_args:
         if not isinstance(arg, torch.Tensor):
-            for t in _nested_tensors(arg):
+            for t in nested_tensors(arg):
                 meter.observe(t)
 
 

@@ -88,6 +88,7 @@ from torch import nn
 
 from ._apply import (STRATEGIES, apply_activation_memory, check_plannable, plan_layer_names,
                      remove_activation_memory, suspended_application)
+from ._checkpoint import nested_tensors
 from ._clock import step_clock
 from ._layers import find_layers, resolve_layer_slots
 from ._memory import saved_activation_memory
@@ -384,18 +385,6 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
     return None
 
 
-def _tensors(obj):
-    """The tensors in ``obj``: a tensor, or tuples, lists and dicts of them (any depth)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from _tensors(v)
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from _tensors(v)
-
-
 def _storage_key(t: torch.Tensor) -> int | None:
     """The identity of ``t``'s storage (its StorageImpl), or None when it has none."""
     try:
@@ -519,7 +508,7 @@ class _StepProbe:
             if self.meter is not None and k > 0:
                 self._read_boundary(k, args, kwargs)
             if self.meter is not None and k + 1 < self.n:
-                self.out_refs[k] = [weakref.ref(t) for t in _tensors(output)]
+                self.out_refs[k] = [weakref.ref(t) for t in nested_tensors(output)]
             if self.meter is not None and k == self.n - 1:
                 self.meter._meter.begin_epoch(-1)  # the head and the backward: not layers
                 self.peak_at_forward_end = self.meter.peak_bytes
@@ -550,7 +539,7 @@ class _StepProbe:
         if not handed:
             return
         matched = {}
-        for t in _tensors((args, kwargs)):
+        for t in nested_tensors((args, kwargs)):
             key = _storage_key(t)
             if key in handed:
                 matched[key] = t

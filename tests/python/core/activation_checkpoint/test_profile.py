@@ -1000,6 +1000,19 @@ def test_what_the_caller_saves_of_a_layers_output_is_that_layers():
         assert predicted == measured, strategy
 
 
+def _profile_blocks(model, x, n):
+    """(step, layer names, strategies, profile) of ``model.blocks`` (n of them) under the
+    strategies that do not swap, one step each."""
+    def step():
+        model(x).backward()
+
+    layers = [f"blocks.{i}" for i in range(n)]
+    strategies = ["none", "checkpoint", "selective"]
+    profile = profile_activation_memory(model, step, layers=layers, candidates=strategies,
+                                        repeats=1)
+    return step, layers, strategies, profile
+
+
 class _TanhBlock(nn.Module):
     """Linear then tanh: tanh saves its output, which the next block's Linear saves as its
     input (one storage, the boundary between the two layers)."""
@@ -1032,15 +1045,8 @@ def test_the_storage_between_two_layers_counts_once_in_every_mixed_plan():
                 x = b(x)
             return x.sum()
 
-    model, x = Stack(), torch.randn(32, 64)
-
-    def step():
-        model(x).backward()
-
-    layers = [f"blocks.{i}" for i in range(5)]
-    strategies = ["none", "checkpoint", "selective"]
-    profile = profile_activation_memory(model, step, layers=layers, candidates=strategies,
-                                        repeats=1)
+    model = Stack()
+    step, layers, strategies, profile = _profile_blocks(model, torch.randn(32, 64), 5)
     boundary = 32 * 64 * 4
     assert [c.output_bytes for c in profile.costs["none"]] == [boundary] * 4 + [0]
     assert [c.input_bytes for c in profile.costs["checkpoint"]] == [0] + [boundary] * 4
@@ -1088,15 +1094,8 @@ def test_the_storage_between_two_layers_is_found_among_any_arguments(call):
             h = self.blocks[2](x=h) if call == "keyword" else self.blocks[2](self.mask, h)
             return h.sum()
 
-    model, x = Stack(), torch.randn(4, 8)
-
-    def step():
-        model(x).backward()
-
-    layers = [f"blocks.{i}" for i in range(3)]
-    strategies = ["none", "checkpoint", "selective"]
-    profile = profile_activation_memory(model, step, layers=layers, candidates=strategies,
-                                        repeats=1)
+    model = Stack()
+    step, layers, strategies, profile = _profile_blocks(model, torch.randn(4, 8), 3)
     assert [c.input_bytes for c in profile.costs["none"]] == [0, 4 * 8 * 4, 4 * 8 * 4]
     for plan in itertools.product(strategies, repeat=3):
         predicted = predict(profile, list(plan), offload_window=0)["peak_bytes"]
