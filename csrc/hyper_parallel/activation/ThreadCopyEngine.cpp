@@ -190,8 +190,8 @@ CopyEventPtr ThreadCopyEngine::submit(CopyDirection direction, c10::Device devic
                      std::all_of(after.begin(), after.end(),
                                  [](const CopyEventPtr& e) { return e->query(); });
   const bool ran_inline = workers_[static_cast<int>(direction)]->post(
-      [hosts = std::move(hosts), keep = std::move(keep), spans = std::move(spans), after = after, done,
-       to_host, total, delay = delay_now]() mutable {
+      [hosts = std::move(hosts), keep = std::move(keep), spans = std::move(spans),
+       after = after, done, to_host, total, delay = delay_now]() mutable {
         for (const auto& ev : after) ev->synchronize();
         done->stamp_start();
         // The artificial link delay comes BEFORE the bytes move: a reader that does not

@@ -217,8 +217,8 @@ void prune(std::vector<Label>& labels, double eps, double linear, int per_kept,
   const std::vector<SetKey> sets =
       distinct([](const Label& l) { return SetKey{l.used, l.credit}; });
   auto set_of = [&](const Label& l) {
-    return static_cast<size_t>(std::lower_bound(sets.begin(), sets.end(), SetKey{l.used, l.credit}) -
-                               sets.begin());
+    const SetKey key{l.used, l.credit};
+    return static_cast<size_t>(std::lower_bound(sets.begin(), sets.end(), key) - sets.begin());
   };
   // Whether key a "holds" key b: a label of a can dominate one of b.
   auto holds_key = [](const SetKey& a, const SetKey& b) {

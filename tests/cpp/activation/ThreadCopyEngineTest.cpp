@@ -275,7 +275,8 @@ TEST(ThreadCopyEngineTest, ACompletedBatchHoldsNoReferenceToItsTensors) {
     ASSERT_EQ(target.use_count(), 1) << "round " << round << ": the engine still holds the "
                                      << (direction == CopyDirection::kHostToDevice
                                              ? "reload target" : "device bytes");
-    ASSERT_EQ(host.use_count(), 1) << "round " << round << ": the engine still holds the host block";
+    ASSERT_EQ(host.use_count(), 1) << "round " << round
+                                   << ": the engine still holds the host block";
   }
 }
 
