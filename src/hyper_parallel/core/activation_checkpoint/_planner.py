@@ -594,8 +594,19 @@ def parse_budget(text: str | int | float, none_peak_bytes: int | None = None, *,
         raise ValueError(f"hyper_parallel: {name} {text!r} is not a size; pass bytes (an "
                          f"int), a size string (300MiB, 2GB){offer}")
     if isinstance(text, numbers.Integral):
-        value, unit, fraction = float(text), "", False
-    elif isinstance(text, numbers.Real):
+        # exact: through a float, ints near 2**63 rounded past the limit and were refused
+        # with a message naming that very limit (a tester, session 27)
+        nbytes = int(text)
+        if zero and nbytes == 0:
+            return 0
+        if nbytes <= 0:
+            raise ValueError(f"hyper_parallel: {name} {text!r} must be a "
+                             f"{'non-negative' if zero else 'positive'}, finite size")
+        if nbytes > _MAX_BYTES:
+            raise ValueError(f"hyper_parallel: {name} {text!r} must be between 1 byte and "
+                             f"{_MAX_BYTES} bytes")
+        return nbytes
+    if isinstance(text, numbers.Real):
         value = float(text)
         unit, fraction = "", 0 < value <= 1
     else:

@@ -410,6 +410,15 @@ def test_parse_budget_takes_numpy_scalars():
             parse_budget(bad, 1000)
 
 
+def test_an_int_budget_is_taken_exactly_up_to_the_largest():
+    # A tester, session 27: through a float, 2**63 - 1 rounded to 2**63 and was refused
+    # with a message naming 2**63 - 1 as the largest allowed.
+    for n in (1, 2**53 + 1, 2**63 - 100, 2**63 - 1):
+        assert parse_budget(n) == n
+    with pytest.raises(ValueError, match="between 1 byte and 9223372036854775807 bytes"):
+        parse_budget(2**63)
+
+
 def test_bad_budget_is_refused_before_profiling():
     model, x = _setup(layers=2)
     steps = []
