@@ -134,8 +134,11 @@ def find_layer_slots(model: nn.Module) -> list[LayerSlot]:
     if not best:
         raise ValueError(
             f"hyper_parallel: find_layers found no repeated blocks in {type(model).__name__}: no "
-            "nn.ModuleList or nn.Sequential holds two or more modules of one type (nor, for a "
-            "transformers model, modules of its _no_split_modules classes). Name the layers "
+            "nn.ModuleList or nn.Sequential has children all of one type, two or more (nor, for "
+            "a transformers model, all of its _no_split_modules classes); a flat Sequential of "
+            "mixed modules (Linear, ReLU, Linear, ...) has no blocks (a tester, session 27, "
+            "was told its 8 Linears were not two of one type). Group each block into a module "
+            "of its own (nn.Sequential(nn.Linear(...), nn.ReLU())), or name the layers "
             "yourself: apply_activation_memory(model, plan, layers=[...]) takes their names, "
             "the modules, or a predicate predicate(name, module) -> bool.")
     return best

@@ -53,6 +53,17 @@ def test_none_found_says_pass_layers():
         find_layers(model)
 
 
+def test_a_flat_mlp_is_told_the_rule_and_how_to_group_it():
+    # A tester, session 27: 8 Linears and 8 ReLUs in one Sequential were told "no
+    # nn.ModuleList or nn.Sequential holds two or more modules of one type".
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(4, 4), nn.ReLU())])
+    with pytest.raises(ValueError, match=r"children all of one type.*flat Sequential of mixed "
+                                         r"modules.*Group each block"):
+        find_layers(model)
+    grouped = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(8)])
+    assert find_layers(grouped) == [str(i) for i in range(8)]
+
+
 def test_layers_by_names_modules_and_predicate():
     model = TwoStacks()
     by_name = resolve_layer_slots(model, ["encoder.1", "encoder.0"])
