@@ -517,7 +517,9 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
               ``prefetch_depth`` (an :class:`ActivationPlan`: the depth it was solved
               for), ``SwapManager().set_prefetch_depth`` is set to it; if it has an int
               ``offload_window`` (an :class:`ActivationPlan`: 0, the schedule its cost
-              model describes), the engine's offload window is set to it.
+              model describes), the engine's offload window is set to it;
+            * the :class:`ActivationMemoryReport` an earlier call returned: its strategies,
+              on its layers.
               :func:`remove_activation_memory` (or applying again) puts back the depth
               and window that were in place before.
         layers: which modules are the layers, in forward order: ``None`` (default:
@@ -577,6 +579,12 @@ def apply_activation_memory(model: nn.Module, plan, *, layers=None, policy_fn=No
                         f"{type(model).__name__}")
     check_flag("apply_activation_memory", "swap_inputs", swap_inputs)
     check_flag("apply_activation_memory", "group_swap", group_swap)
+    if isinstance(plan, ActivationMemoryReport):
+        # what an earlier apply returned: its strategies by layer name (a tester, session
+        # 27, had it refused as "an object with a .strategies attribute ...; got method")
+        plan = plan.strategies()
+        if layers is None:
+            layers = list(plan)
     if layers is None:
         layers = plan_layer_names(model, plan)
     slots = resolve_layer_slots(model, layers)

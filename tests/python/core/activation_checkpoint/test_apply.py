@@ -509,3 +509,22 @@ def test_wrapper_hooks_merged_into_a_hooked_layer_keep_order_and_warn():
     with torch.no_grad():
         model(torch.randn(2, 4, 32))
     assert order == ["wrapper pre", "layer pre", "layer post", "wrapper post"]
+
+
+def test_the_report_of_an_apply_applies_again():
+    # A tester, session 27: the report apply returns was refused as a plan ("an object with
+    # a .strategies attribute ...; got method").
+    from hyper_parallel.core.activation_checkpoint import (apply_activation_memory,
+                                                           remove_activation_memory)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+                                  for _ in range(3)])
+    report = apply_activation_memory(model, ["checkpoint", "none", "selective"])
+    remove_activation_memory(model)
+    again = apply_activation_memory(model, report)
+    try:
+        assert again.strategies() == report.strategies() == {
+            "0": "checkpoint", "1": "none", "2": "selective"}
+    finally:
+        remove_activation_memory(model)
