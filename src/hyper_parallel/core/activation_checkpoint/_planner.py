@@ -528,7 +528,7 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
         f"{_fmt_bytes(plan.predicted_peak_bytes)} ({plan.predicted_peak_bytes} bytes) with "
         f"{choice} (error.plan). Raise the budget"
         + (", raise host_budget_bytes" if host_budget_bytes is not None else "")
-        + _more_candidates(names) + ", lower the prefetch depth, or shrink the batch.",
+        + _more_candidates(names, profile) + ", or shrink the batch.",
         int(budget_bytes), plan.predicted_peak_bytes, plan, host_budget_bytes,
         min(bound, plan.predicted_peak_bytes))
 
@@ -537,10 +537,23 @@ def plan_from_profile(profile: ActivationProfile, budget_bytes: int, *,
 _SUGGEST = ("checkpoint_swap", "checkpoint", "selective_swap", "swap", "selective")
 
 
-def _more_candidates(names: Sequence[str]) -> str:
-    """The infeasible error's advice on candidates: only ones not already given."""
-    more = [c for c in _SUGGEST if c not in names]
-    return f", allow more candidates (e.g. {', '.join(more[:2])})" if more else ""
+def _more_candidates(names: Sequence[str], profile: ActivationProfile | None = None) -> str:
+    """The infeasible error's advice on candidates: only ones not already given and able
+    to run. A profile of the host made with CPU swap off has none of the swapping ones
+    (profiling drops them): the advice is to turn it on (a tester, session 27, was told to
+    add checkpoint_swap, then, having done so, the same error again)."""
+    swap_off = profile is not None and torch.device(profile.device).type == "cpu" \
+        and not SwapManager().cpu_swap_enabled() \
+        and not any(STRATEGIES[s].swaps for s in profile.strategies if s in STRATEGIES)
+    more = [c for c in _SUGGEST if c not in names and not (swap_off and STRATEGIES[c].swaps)]
+    out = f", allow more candidates (e.g. {', '.join(more[:2])})" if more else ""
+    if swap_off:
+        out += (", turn CPU swap on to plan the swapping strategies (SwapManager()."
+                "set_cpu_swap(True) or HYPER_PARALLEL_CPU_SWAP=1: with it off, tensors in host "
+                "memory are never offloaded)")
+    elif any(STRATEGIES[n].swaps for n in names if n in STRATEGIES):
+        out += ", lower the prefetch depth"
+    return out
 
 
 def _nonempty(candidates):

@@ -899,3 +899,20 @@ def test_a_plan_made_with_layers_is_applied_to_those_layers_without_repeating_th
                                   candidates=["checkpoint"])
     assert [e.name for e in apply_activation_memory(model, plan)] == [
         f"layers.{i}" for i in range(4)]
+
+
+def test_an_infeasible_budget_on_the_host_with_swap_off_says_to_turn_it_on():
+    # A tester, session 27: told to "allow more candidates (e.g. checkpoint_swap,
+    # selective_swap), lower the prefetch depth" where CPU swap was off, so no swapping
+    # candidate could run; adding them gave a warning and the same error.
+    SwapManager().set_cpu_swap(False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+                                  for _ in range(4)])
+    x = torch.randn(8, 16)
+    with pytest.raises(InfeasibleBudgetError) as err:
+        plan_activation_memory(model, lambda: model(x).sum().backward(), 0.2)
+    message = str(err.value)
+    assert "turn CPU swap on" in message and "set_cpu_swap(True)" in message
+    assert "checkpoint_swap" not in message and "prefetch depth 1;" in message
+    assert "lower the prefetch depth" not in message
