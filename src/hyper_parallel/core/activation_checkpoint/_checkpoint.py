@@ -25,6 +25,7 @@ import weakref
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_leaves
 from torch import nn
 
 from hyper_parallel._extension import _C
@@ -61,18 +62,6 @@ def _with_bound_kwargs(function, args: tuple, kwargs: dict):
     return call, (*args, *kwargs.values())
 
 
-def nested_tensors(obj):
-    """The tensors inside tuples, lists and dicts in ``obj`` (any depth)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from nested_tensors(v)
-    elif isinstance(obj, collections.abc.Mapping):
-        for v in obj.values():
-            yield from nested_tensors(v)
-
-
 def _meter_nested_inputs(call_args: tuple) -> None:
     """Names to the active saved-activation meter the tensors a region's arguments hold
     inside tuples, lists and dicts. torch's frame saves a top-level tensor argument through
@@ -86,8 +75,9 @@ def _meter_nested_inputs(call_args: tuple) -> None:
         return
     for arg in call_args:
         if not isinstance(arg, torch.Tensor):
-            for t in nested_tensors(arg):
-                meter.observe(t)
+            for t in tree_leaves(arg):
+                if isinstance(t, torch.Tensor):
+                    meter.observe(t)
 
 
 def _state_module(function):

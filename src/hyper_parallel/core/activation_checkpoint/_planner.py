@@ -319,20 +319,10 @@ _RECOMPUTE_TIE_SECONDS_PER_BYTE = 1e-15
 def _recompute_tie(profile: ActivationProfile, s: str, k: int) -> float:
     if not STRATEGIES[s].recomputes or "none" not in profile.costs:
         return 0.0
-    c, none = profile.costs[s][k], profile.costs["none"][k]
-    # (with the storage of its input: input_bytes are not in kept_bytes, _profile.py)
-    recomputed = (none.kept_bytes + none.input_bytes) - (c.kept_bytes + c.input_bytes) \
-        - c.offload_bytes
+    # (each with the storage of its input, as if the layer before saved none of it)
+    recomputed = profile.kept_in_plan(k, "none", None) - profile.kept_in_plan(k, s, None) \
+        - profile.costs[s][k].offload_bytes
     return _RECOMPUTE_TIE_SECONDS_PER_BYTE * max(0, recomputed)
-
-
-def _kept_in_plan(profile: ActivationProfile, k: int, s: str, prev: str | None) -> int:
-    """What layer k keeps under strategy ``s`` after ``prev`` at layer k - 1 (None: k is
-    the first): its kept bytes and the boundary charge (CostModel.h)."""
-    c = profile.costs[s][k]
-    if prev is None:
-        return c.kept_bytes + c.input_bytes
-    return c.kept_bytes + max(0, c.input_bytes - profile.costs[prev][k - 1].output_bytes)
 
 
 def _cpp_profile(profile: ActivationProfile, prefetch_depth: int = 1, offload_window: int = 0):
@@ -392,8 +382,8 @@ def _plan(profile: ActivationProfile, assignment: list[int], prediction: dict,
     for k, (layer, s) in enumerate(zip(profile.layer_names, names)):
         c, base = profile.costs[s][k], profile.costs["none"][k]
         prev = names[k - 1] if k > 0 else None
-        kept, off = _kept_in_plan(profile, k, s, prev), c.group_bytes
-        base_kept = _kept_in_plan(profile, k, "none", prev)
+        kept, off = profile.kept_in_plan(k, s, prev), c.group_bytes
+        base_kept = profile.kept_in_plan(k, "none", prev)
         if k == n - 1:
             kept, off = kept + off, 0
         recomputed = max(0, base_kept - kept - off) if STRATEGIES[s].recomputes else 0

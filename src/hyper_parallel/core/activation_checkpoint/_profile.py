@@ -85,10 +85,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ._apply import (STRATEGIES, apply_activation_memory, check_plannable, plan_layer_names,
                      remove_activation_memory, suspended_application)
-from ._checkpoint import nested_tensors
 from ._clock import step_clock
 from ._layers import find_layers, resolve_layer_slots
 from ._memory import saved_activation_memory
@@ -190,9 +190,17 @@ class ActivationProfile:
         """Bytes each layer saves for backward with nothing applied (each storage counted
         once, by the first layer that saves it: the boundary charge of "none" after
         "none" included)."""
-        costs = self.costs["none"]
-        return [c.kept_bytes + max(0, c.input_bytes - (costs[k - 1].output_bytes if k else 0))
-                for k, c in enumerate(costs)]
+        return [self.kept_in_plan(k, "none", "none" if k else None)
+                for k in range(len(self.layer_names))]
+
+    def kept_in_plan(self, k: int, strategy: str, previous: str | None) -> int:
+        """What layer k keeps under ``strategy`` after ``previous`` at layer k - 1 (None:
+        k is the first), bytes: its kept bytes and the boundary charge (CostModel.h,
+        ``boundary_charge``: the part of its input's storage that it saves and the layer
+        before does not)."""
+        c = self.costs[strategy][k]
+        before = self.costs[previous][k - 1].output_bytes if previous is not None else 0
+        return c.kept_bytes + max(0, c.input_bytes - before)
 
     @property
     def matmul_bytes(self) -> list[int] | None:
@@ -508,7 +516,8 @@ class _StepProbe:
             if self.meter is not None and k > 0:
                 self._read_boundary(k, args, kwargs)
             if self.meter is not None and k + 1 < self.n:
-                self.out_refs[k] = [weakref.ref(t) for t in nested_tensors(output)]
+                self.out_refs[k] = [weakref.ref(t) for t in tree_leaves(output)
+                                   if isinstance(t, torch.Tensor)]
             if self.meter is not None and k == self.n - 1:
                 self.meter._meter.begin_epoch(-1)  # the head and the backward: not layers
                 self.peak_at_forward_end = self.meter.peak_bytes
@@ -530,17 +539,13 @@ class _StepProbe:
         two sides' bytes could belong to different storages, and the charge would be low
         (a tester, session 27: reading the first tensor argument only, a layer called as
         block(x=h) or block(mask, h) had its mixed plans predicted 25 % low)."""
-        handed = {}
-        for ref in self.out_refs[k - 1]:
-            t = ref()
-            key = _storage_key(t) if t is not None and not t.is_meta else None
-            if key is not None:
-                handed[key] = t
+        handed = {_storage_key(t) for t in (ref() for ref in self.out_refs[k - 1])
+                  if t is not None and not t.is_meta} - {None}
         if not handed:
             return
         matched = {}
-        for t in nested_tensors((args, kwargs)):
-            key = _storage_key(t)
+        for t in tree_leaves((args, kwargs)):
+            key = _storage_key(t) if isinstance(t, torch.Tensor) else None
             if key in handed:
                 matched[key] = t
         if len(matched) != 1:
@@ -1173,12 +1178,11 @@ def _charge_boundaries(costs: list[LayerCost], swaps: bool) -> None:
         for c in costs:
             c.input_bytes = c.output_bytes = 0
         return
-    costs[0].input_bytes = 0  # the model's input: no layer before it
+    # (the probe reads no boundary before layer 0 nor after the last: those fields are 0)
     for k in range(1, len(costs)):
         c, before = costs[k], costs[k - 1].output_bytes
         c.kept_bytes = max(0, c.kept_bytes - max(0, c.input_bytes - before))
         c.shared_bytes = max(0, c.shared_bytes - min(c.input_bytes, before))
-    costs[-1].output_bytes = 0
 
 
 def _trace_free() -> bool:
